@@ -1,0 +1,55 @@
+"""One exception hierarchy for the whole library.
+
+Every error a user can cause derives from :class:`HarmonyOptError`; the CLI turns
+each into one line on stderr and exit code 2. Anything else escaping is a bug
+(exit code 1). Messages say what was wrong, where, and what to do.
+"""
+from __future__ import annotations
+
+
+class HarmonyOptError(Exception):
+    """Base class of every error caused by the user's input or request."""
+
+
+class UsageError(HarmonyOptError):
+    """A command-line argument or API argument is malformed."""
+
+
+class ProfileError(HarmonyOptError):
+    """A profile folder or table is missing, malformed or inconsistent."""
+
+
+class HardwareError(HarmonyOptError):
+    """A hardware preset or file is unknown, malformed or physically impossible."""
+
+
+class PlanError(HarmonyOptError):
+    """A plan is malformed, or does not fit the profile, hardware or model it is used with."""
+
+
+class InfeasibleError(HarmonyOptError):
+    """No plan exists for the request; ``explanation`` names the smallest piece that fails."""
+
+    def __init__(self, message: str, *, layer: int | None = None, microbatch: int | None = None,
+                 needed_bytes: int | None = None, cap_bytes: int | None = None):
+        super().__init__(message)
+        self.layer = layer
+        self.microbatch = microbatch
+        self.needed_bytes = needed_bytes
+        self.cap_bytes = cap_bytes
+
+    @property
+    def explanation(self) -> str:
+        return str(self)
+
+
+class ProgramError(HarmonyOptError):
+    """A compiled program is invalid: a tensor used before it arrives, a send without receive, ..."""
+
+
+class RuntimeMemoryError(HarmonyOptError):
+    """The executor's memory guard stopped an instruction that would exceed the device cap."""
+
+
+class DataError(HarmonyOptError):
+    """Training data or a checkpoint does not match the model or plan."""

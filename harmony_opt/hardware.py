@@ -1,0 +1,182 @@
+"""The machine a plan runs on: GPUs, memories and link bandwidths.
+
+Constants carry their units (bytes, bytes/s) and their provenance, FlexGen-style.
+Load a preset by name (``1080ti-x4``, ``h100-x1``) or a small TOML/JSON file with the
+same field names; ``harmony-opt probe`` writes such a file for the real machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+from .errors import HardwareError
+from .units import GB, GiB, parse_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One server: ``gpus`` identical GPUs behind host links.
+
+    Bandwidths are bytes/s per direction. With ``shared_host_link`` all GPUs share one
+    host<->GPU link (a PCIe switch): each transfer runs at ``h2d_bandwidth`` /
+    ``d2h_bandwidth`` and at most ``link_bandwidth`` in total flows per direction.
+    """
+
+    name: str
+    gpus: int
+    gpu_memory_bytes: int            # usable per GPU: the memory cap the planner respects
+    host_memory_bytes: int
+    pinned_memory_bytes: int         # how much host memory may be page-locked
+    h2d_bandwidth: float             # host -> GPU, one transfer, bytes/s
+    d2h_bandwidth: float             # GPU -> host, one transfer, bytes/s
+    shared_host_link: bool = True
+    link_bandwidth: float | None = None   # total per direction through the shared link; None = h2d
+    p2p_bandwidth: float = 0.0       # GPU <-> GPU, bytes/s (0: through host memory)
+    host_copy_bandwidth: float = 16 * GiB   # host memory copies between processes, bytes/s
+    cpu_optimizer_scale: float = 1.0   # multiplies the profile's cpu_update_s (other CPU than profiled)
+    gpu_optimizer_bandwidth: float = 300 * GB  # bytes of (W + dW + K) per second for an optimizer step on GPU
+    description: str = ""
+
+    def __post_init__(self):
+        where = f"hardware {self.name!r}"
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise HardwareError(f"{where}: gpus must be a whole number >= 1, got {self.gpus!r}")
+        for f in ("gpu_memory_bytes", "host_memory_bytes", "pinned_memory_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise HardwareError(f"{where}: {f} must be a positive number of bytes, got {v!r}")
+        for f in ("h2d_bandwidth", "d2h_bandwidth", "host_copy_bandwidth", "gpu_optimizer_bandwidth"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+                raise HardwareError(f"{where}: {f} must be a positive finite bandwidth in bytes/s, got {v!r}")
+        if self.link_bandwidth is not None and not self.link_bandwidth > 0:
+            raise HardwareError(f"{where}: link_bandwidth must be positive, got {self.link_bandwidth!r}")
+        if self.p2p_bandwidth < 0:
+            raise HardwareError(f"{where}: p2p_bandwidth must be >= 0, got {self.p2p_bandwidth!r}")
+        if not self.cpu_optimizer_scale > 0:
+            raise HardwareError(f"{where}: cpu_optimizer_scale must be positive")
+        if self.pinned_memory_bytes > self.host_memory_bytes:
+            raise HardwareError(f"{where}: pinned_memory_bytes ({self.pinned_memory_bytes}) exceeds "
+                                f"host_memory_bytes ({self.host_memory_bytes})")
+
+    @property
+    def link_slots(self) -> int:
+        """How many transfers per direction can run at full speed at once on the shared link."""
+        if not self.shared_host_link:
+            return self.gpus
+        total = self.link_bandwidth or max(self.h2d_bandwidth, self.d2h_bandwidth)
+        return max(1, int(total // max(self.h2d_bandwidth, self.d2h_bandwidth) + 1e-9))
+
+    def with_memory(self, cap_bytes: int) -> "Hardware":
+        return dataclasses.replace(self, gpu_memory_bytes=int(cap_bytes))
+
+    def with_gpus(self, n: int) -> "Hardware":
+        if n > self.gpus:
+            raise HardwareError(f"hardware {self.name!r} has {self.gpus} GPU(s); {n} were asked for")
+        return dataclasses.replace(self, gpus=int(n))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> Path:
+        from .io import atomic_write_json, atomic_write_text
+        path = Path(path)
+        d = {k: v for k, v in self.to_dict().items() if v is not None}
+        if path.suffix == ".json":
+            return atomic_write_json(path, d)
+        lines = ["# harmony-opt hardware description (bytes, bytes/s)"]
+        for k, v in d.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+        return atomic_write_text(path, "\n".join(lines) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "<dict>") -> "Hardware":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(fields))
+        if unknown:
+            raise HardwareError(f"{source}: unknown field(s) {', '.join(unknown)}; valid fields: "
+                                f"{', '.join(fields)}")
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.name != "name"]
+        missing = [f for f in required if f not in d]
+        if missing:
+            raise HardwareError(f"{source}: missing field(s) {', '.join(missing)}")
+        kw = dict(d)
+        kw.setdefault("name", Path(source).stem)
+        for k in ("gpu_memory_bytes", "host_memory_bytes", "pinned_memory_bytes"):
+            try:
+                kw[k] = parse_bytes(kw[k], k)
+            except Exception as e:
+                raise HardwareError(f"{source}: {e}") from None
+        for k in ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
+                  "cpu_optimizer_scale", "gpu_optimizer_bandwidth"):
+            if kw.get(k) is not None and not isinstance(kw[k], (int, float)):
+                raise HardwareError(f"{source}: field {k} must be a number (bytes/s), got {kw[k]!r}")
+        if "gpus" in kw and (isinstance(kw["gpus"], bool) or not isinstance(kw["gpus"], int)):
+            raise HardwareError(f"{source}: field gpus must be a whole number, got {kw['gpus']!r}")
+        try:
+            return cls(**kw)
+        except HardwareError as e:
+            raise HardwareError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Hardware":
+        path = Path(path)
+        if not path.is_file():
+            raise HardwareError(f"hardware file {path} does not exist; give a preset "
+                                f"({', '.join(PRESETS)}) or a .toml/.json file")
+        text = path.read_text()
+        try:
+            d = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except json.JSONDecodeError as e:
+            raise HardwareError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        except tomllib.TOMLDecodeError as e:
+            raise HardwareError(f"{path}: not valid TOML ({e})") from None
+        if not isinstance(d, dict):
+            raise HardwareError(f"{path}: must hold a table of fields")
+        return cls.from_dict(d, str(path))
+
+
+PRESETS: dict[str, Hardware] = {
+    # The Harmony paper's server: 4 x GTX 1080 Ti (11 GB) behind one PCIe 3.0 switch.
+    # Bandwidths are the original scheduler's constants (swap 11.5 GiB/s shared by all GPUs
+    # of the switch, P2P 8.2 GiB/s, host messages 16 GiB/s); usable memory is its default
+    # cap (10 GiB). Host memory is not stated in the paper; 256 GiB is assumed.
+    "1080ti-x4": Hardware(
+        name="1080ti-x4", gpus=4, gpu_memory_bytes=10 * GiB,
+        host_memory_bytes=256 * GiB, pinned_memory_bytes=192 * GiB,
+        h2d_bandwidth=11.5 * GiB, d2h_bandwidth=11.5 * GiB, shared_host_link=True,
+        link_bandwidth=11.5 * GiB, p2p_bandwidth=8.2 * GiB, host_copy_bandwidth=16 * GiB,
+        gpu_optimizer_bandwidth=300 * GB,
+        description="Harmony paper server: 4x GTX 1080 Ti 11 GB, one PCIe 3.0 switch"),
+    # One H100 80 GB SXM on PCIe Gen5 x16: ~50 GB/s pinned per direction is typical of
+    # measurements (64 GB/s nominal). Replace with `harmony-opt probe` output for real runs.
+    "h100-x1": Hardware(
+        name="h100-x1", gpus=1, gpu_memory_bytes=76 * GiB,
+        host_memory_bytes=128 * GiB, pinned_memory_bytes=96 * GiB,
+        h2d_bandwidth=50 * GB, d2h_bandwidth=50 * GB, shared_host_link=True,
+        link_bandwidth=50 * GB, p2p_bandwidth=0.0, host_copy_bandwidth=20 * GB,
+        gpu_optimizer_bandwidth=2000 * GB,
+        description="one NVIDIA H100 80 GB, PCIe Gen5 x16 (nominal figures)"),
+}
+
+
+def get_hardware(spec: str | Path | Hardware, memory_cap: int | str | None = None,
+                 gpus: int | None = None) -> Hardware:
+    """A preset name or a file path, with optional overrides of the cap and GPU count."""
+    if isinstance(spec, Hardware):
+        hw = spec
+    elif str(spec).lower() in PRESETS:
+        hw = PRESETS[str(spec).lower()]
+    elif Path(spec).suffix in (".toml", ".json") or Path(spec).exists():
+        hw = Hardware.load(spec)
+    else:
+        raise HardwareError(f"unknown hardware {str(spec)!r}; use a preset ({', '.join(PRESETS)}) "
+                            f"or a .toml/.json file")
+    if memory_cap is not None:
+        hw = hw.with_memory(parse_bytes(memory_cap, "--memory-cap"))
+    if gpus is not None:
+        hw = hw.with_gpus(gpus)
+    return hw

@@ -1,0 +1,303 @@
+"""The Plan: what every planner returns and every simulator, compiler and runtime consumes.
+
+A plan fixes the execution mode (vPP: packs dealt round-robin over the GPUs like a
+pipeline; vDP: every GPU runs every pack on its share of the minibatch), the number
+of GPUs, the forward and backward microbatch sizes, and the forward and backward
+layer packs (inclusive ``[first, last]`` ranges). As in Harmony, the forward packs cover
+layers ``0 .. first(last backward pack) - 1``: the last backward pack holds the loss
+and runs its own forward as its recompute; when the whole model is one backward pack
+the forward packs are empty.
+
+Per backward pack, ``options`` choose recompute (keep only the pack's input from the
+forward, recompute the rest) or stash (keep every activation the backward needs, in
+host memory), and whether the optimizer step runs on the CPU or on the GPU.
+
+Plans are JSON with a ``version`` field (``to_json`` / ``from_json``); loading checks
+every field and names the one that is wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import PlanError
+
+PLAN_VERSION = 1
+MODES = ("vPP", "vDP")
+OPTIMIZER_PLACES = ("cpu", "gpu")
+
+Pack = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackOptions:
+    """Choices for one backward pack."""
+
+    recompute: bool = True      # False: stash the pack's activations during the forward instead
+    optimizer: str = "cpu"      # "cpu": dW to host, step on the CPU; "gpu": step on the GPU
+
+    def to_dict(self) -> dict:
+        return {"recompute": self.recompute, "optimizer": self.optimizer}
+
+
+DEFAULT_OPTIONS = PackOptions()
+
+
+def split_microbatches(total: int, u: int) -> list[int]:
+    """``[u] * (total // u)`` plus the remainder, if any (Harmony's ``ubatchszs``)."""
+    if u < 1:
+        raise PlanError(f"microbatch size must be >= 1, got {u}")
+    return [u] * (total // u) + ([total % u] if total % u else [])
+
+
+def data_shares(batch: int, gpus: int) -> list[int]:
+    """Samples per GPU in vDP: ``floor(D/N)`` plus one for the first ``D % N`` GPUs."""
+    return [batch // gpus + (1 if n < batch % gpus else 0) for n in range(gpus)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    planner: str
+    mode: str
+    gpus: int
+    batch: int
+    microbatch_fwd: int
+    microbatch_bwd: int
+    packs_fwd: tuple[Pack, ...]
+    packs_bwd: tuple[Pack, ...]
+    num_layers: int
+    options: tuple[PackOptions, ...] = ()   # one per backward pack; empty means all defaults
+    prefetch: bool = True
+    allow_uneven: bool = False              # microbatch sizes need not divide the batch
+    cost_model: str = "default"
+    memory_cap: int | None = None
+    profile: dict = dataclasses.field(default_factory=dict)    # {"name", "identity"}
+    hardware: dict = dataclasses.field(default_factory=dict)   # Hardware.to_dict()
+    simulated_iteration_time_s: float | None = None
+    search_time_s: float | None = None
+    solver: dict | None = None
+    stats: dict = dataclasses.field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    def __post_init__(self):
+        object.__setattr__(self, "packs_fwd", tuple(tuple(int(x) for x in p) for p in self.packs_fwd))
+        object.__setattr__(self, "packs_bwd", tuple(tuple(int(x) for x in p) for p in self.packs_bwd))
+        if not self.options:
+            object.__setattr__(self, "options", tuple(DEFAULT_OPTIONS for _ in self.packs_bwd))
+        self.validate()
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def microbatch(self) -> dict:
+        return {"fwd": self.microbatch_fwd, "bwd": self.microbatch_bwd}
+
+    def samples_per_gpu(self) -> list[int]:
+        """Samples each GPU processes per iteration (vPP: all of them pass every GPU)."""
+        return [self.batch] * self.gpus if self.mode == "vPP" else data_shares(self.batch, self.gpus)
+
+    def microbatches(self, phase: str, rank: int = 0) -> list[int]:
+        """Microbatch sizes of a phase on a rank, in order."""
+        u = self.microbatch_fwd if phase.upper() == "FWD" else self.microbatch_bwd
+        return split_microbatches(self.samples_per_gpu()[rank], u)
+
+    def option(self, bwd_index: int) -> PackOptions:
+        return self.options[bwd_index]
+
+    def replace(self, **kw) -> "Plan":
+        return dataclasses.replace(self, **kw)
+
+    # -- validation --------------------------------------------------------------------------
+    def validate(self) -> "Plan":
+        """Structural checks that need no profile: coverage, sizes, options."""
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"plan field version: {self.version!r} is not supported (this tool reads {PLAN_VERSION})")
+        if self.mode not in MODES:
+            raise PlanError(f"plan field mode: {self.mode!r} is not one of {', '.join(MODES)}")
+        for f in ("gpus", "batch", "microbatch_fwd", "microbatch_bwd", "num_layers"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"plan field {_json_name(f)}: must be a whole number >= 1, got {v!r}")
+        R = self.num_layers
+        if not self.packs_bwd:
+            raise PlanError("plan field packs.bwd: empty; the backward packs must cover every layer")
+        _check_cover(self.packs_bwd, 0, R - 1, "packs.bwd")
+        fwd_end = self.packs_bwd[-1][0] - 1
+        if fwd_end < 0:
+            if self.packs_fwd:
+                raise PlanError("plan field packs.fwd: must be empty when one backward pack holds the whole model")
+        else:
+            if not self.packs_fwd:
+                raise PlanError(f"plan field packs.fwd: empty; the forward packs must cover layers 0..{fwd_end} "
+                                f"(up to the first layer of the last backward pack)")
+            _check_cover(self.packs_fwd, 0, fwd_end, "packs.fwd")
+        if len(self.options) != len(self.packs_bwd):
+            raise PlanError(f"plan field options: {len(self.options)} entries for {len(self.packs_bwd)} backward packs")
+        for i, o in enumerate(self.options):
+            if not isinstance(o, PackOptions):
+                raise PlanError(f"plan field options[{i}]: not a pack option")
+            if o.optimizer not in OPTIMIZER_PLACES:
+                raise PlanError(f"plan field options[{i}].optimizer: {o.optimizer!r} is not cpu or gpu")
+            if not isinstance(o.recompute, bool):
+                raise PlanError(f"plan field options[{i}].recompute: must be true or false")
+        shares = self.samples_per_gpu()
+        if min(shares) < 1:
+            raise PlanError(f"plan: batch {self.batch} is smaller than the {self.gpus} GPUs of vDP; "
+                            f"every GPU needs at least one sample")
+        for phase, u in (("fwd", self.microbatch_fwd), ("bwd", self.microbatch_bwd)):
+            if u > max(shares):
+                raise PlanError(f"plan field microbatch.{phase}: {u} is larger than the {max(shares)} samples "
+                                f"per GPU")
+            if not self.allow_uneven and any(s % u for s in shares):
+                raise PlanError(f"plan field microbatch.{phase}: {u} does not divide the {shares[0]} samples per "
+                                f"GPU; choose a divisor or set allow_uneven (the last microbatch is then smaller)")
+        if self.memory_cap is not None and (not isinstance(self.memory_cap, int) or self.memory_cap <= 0):
+            raise PlanError(f"plan field memory_cap: must be a positive number of bytes, got {self.memory_cap!r}")
+        return self
+
+    def check_against(self, profile=None, hardware=None) -> "Plan":
+        """Checks that need the profile or hardware: layer count, identity, GPU count, profiled sizes."""
+        if profile is not None:
+            if profile.num_layers != self.num_layers:
+                raise PlanError(f"plan has {self.num_layers} layers but profile {profile.name} has "
+                                f"{profile.num_layers}; the plan was made for another model")
+            ident = self.profile.get("identity")
+            if ident and ident != profile.identity:
+                raise PlanError(f"plan was made for profile {self.profile.get('name')!r} ({ident}), not "
+                                f"{profile.name!r} ({profile.identity}); re-plan with this profile")
+            for phase, u in (("FWD", self.microbatch_fwd), ("BWD", self.microbatch_bwd)):
+                lo, hi = profile.size_range(phase)
+                sizes = set(self.microbatches(phase, 0)) | set(self.microbatches(phase, self.gpus - 1))
+                if min(sizes) < lo or max(sizes) > hi:
+                    raise PlanError(f"plan field microbatch.{phase.lower()}: sizes {sorted(sizes)} are outside "
+                                    f"the profiled {phase} range {lo}..{hi}")
+        if hardware is not None and self.gpus > hardware.gpus:
+            raise PlanError(f"plan field gpus: {self.gpus} GPUs but hardware {hardware.name!r} has "
+                            f"{hardware.gpus}")
+        return self
+
+    # -- JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "planner": self.planner,
+            "mode": self.mode,
+            "gpus": self.gpus,
+            "batch": self.batch,
+            "microbatch": {"fwd": self.microbatch_fwd, "bwd": self.microbatch_bwd},
+            "packs": {"fwd": [list(p) for p in self.packs_fwd], "bwd": [list(p) for p in self.packs_bwd]},
+            "options": [o.to_dict() for o in self.options],
+            "num_layers": self.num_layers,
+            "prefetch": self.prefetch,
+            "allow_uneven": self.allow_uneven,
+            "cost_model": self.cost_model,
+            "memory_cap": self.memory_cap,
+            "profile": self.profile,
+            "hardware": self.hardware,
+            "simulated_iteration_time_s": self.simulated_iteration_time_s,
+            "search_time_s": self.search_time_s,
+            "solver": self.solver,
+            "stats": self.stats,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        from .io import atomic_write_text
+        return atomic_write_text(path, self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "plan") -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: a plan is a JSON object")
+        try:
+            mb, packs = d["microbatch"], d["packs"]
+            kw = dict(
+                planner=_get(d, "planner", str, source), mode=_get(d, "mode", str, source),
+                gpus=_get(d, "gpus", int, source), batch=_get(d, "batch", int, source),
+                microbatch_fwd=_get(mb, "fwd", int, source, "microbatch."),
+                microbatch_bwd=_get(mb, "bwd", int, source, "microbatch."),
+                packs_fwd=_packs(packs, "fwd", source), packs_bwd=_packs(packs, "bwd", source),
+                num_layers=_get(d, "num_layers", int, source),
+            )
+        except KeyError as e:
+            raise PlanError(f"{source}: missing field {e.args[0]}") from None
+        except TypeError:
+            raise PlanError(f"{source}: fields microbatch and packs must be objects with fwd and bwd") from None
+        opts = d.get("options") or []
+        if not isinstance(opts, list):
+            raise PlanError(f"{source}: field options must be a list")
+        parsed = []
+        for i, o in enumerate(opts):
+            if not isinstance(o, dict) or set(o) - {"recompute", "optimizer"}:
+                raise PlanError(f"{source}: field options[{i}] must be an object with recompute and optimizer")
+            parsed.append(PackOptions(recompute=o.get("recompute", True), optimizer=o.get("optimizer", "cpu")))
+        kw["options"] = tuple(parsed)
+        for k in ("prefetch", "allow_uneven"):
+            if k in d:
+                if not isinstance(d[k], bool):
+                    raise PlanError(f"{source}: field {k} must be true or false")
+                kw[k] = d[k]
+        for k in ("cost_model", "memory_cap", "profile", "hardware", "simulated_iteration_time_s",
+                  "search_time_s", "solver", "stats", "version"):
+            if k in d and d[k] is not None:
+                kw[k] = d[k]
+        if kw.get("cost_model", "default") not in ("default", "harmony"):
+            raise PlanError(f"{source}: field cost_model must be default or harmony, got {kw['cost_model']!r}")
+        try:
+            return cls(**kw)
+        except PlanError as e:
+            raise PlanError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"plan file {path} does not exist")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: line {e.lineno}: not valid JSON ({e.msg}); was the file cut short?") from None
+        return cls.from_dict(d, str(path))
+
+
+def _json_name(field: str) -> str:
+    return {"microbatch_fwd": "microbatch.fwd", "microbatch_bwd": "microbatch.bwd"}.get(field, field)
+
+
+def _get(d: dict, key: str, typ, source: str, prefix: str = ""):
+    v = d[key]
+    if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise PlanError(f"{source}: field {prefix}{key} must be a whole number, got {v!r}")
+    if typ is str and not isinstance(v, str):
+        raise PlanError(f"{source}: field {prefix}{key} must be a string, got {v!r}")
+    return v
+
+
+def _packs(packs: dict, key: str, source: str) -> tuple[Pack, ...]:
+    v = packs[key]
+    if not isinstance(v, list):
+        raise PlanError(f"{source}: field packs.{key} must be a list of [first, last] pairs")
+    out = []
+    for i, p in enumerate(v):
+        if (not isinstance(p, list) or len(p) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in p)):
+            raise PlanError(f"{source}: field packs.{key}[{i}] must be [first, last] layer indices, got {p!r}")
+        out.append((p[0], p[1]))
+    return tuple(out)
+
+
+def _check_cover(packs, first: int, last: int, field: str) -> None:
+    expect = first
+    for i, (a, b) in enumerate(packs):
+        if a != expect:
+            kind = "overlaps the previous pack" if a < expect else f"leaves layers {expect}..{a - 1} uncovered"
+            raise PlanError(f"plan field {field}[{i}] = [{a}, {b}] {kind}; packs must cover layers "
+                            f"{first}..{last} in order, each exactly once")
+        if b < a:
+            raise PlanError(f"plan field {field}[{i}] = [{a}, {b}]: last layer before first")
+        expect = b + 1
+    if expect != last + 1:
+        raise PlanError(f"plan field {field}: packs end at layer {expect - 1} but must end at layer {last}")

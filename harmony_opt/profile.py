@@ -1,0 +1,461 @@
+"""Per-layer profiles: loading, validation, and O(1) pack-cost queries.
+
+A Profile is two tables (DESIGN.md):
+
+* ``layers``: one row per layer: ``layer, param_bytes, buffer_bytes,
+  optimizer_state_bytes, cpu_update_s``.
+* ``microbatch``: one row per (phase, microbatch size, layer): ``phase`` (FWD or
+  BWD; BWD includes the recompute of the forward), ``microbatch``, ``layer``,
+  ``gpu_time_s``, ``peak_memory_bytes``, ``input_bytes``, and optionally
+  ``saved_bytes`` (activations autograd keeps for the layer's backward, used by
+  the stash-instead-of-recompute option).
+
+plus ``meta.json``. Every quantity of a contiguous pack ``[a, b]`` (inclusive) at a
+microbatch size ``u`` is answered in O(1) from prefix sums computed once per
+``(phase, u)`` with numpy (:class:`PhaseCosts`).
+
+Interpolation follows Harmony's scheduler exactly (HARMONY_REFERENCE.md 1.2):
+times and peak memory are interpolated linearly per layer between profiled sizes
+(memory truncated to int); input bytes are proportional to ``u``, scaled from the
+first profiled size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .errors import ProfileError
+
+PHASES = ("FWD", "BWD")
+
+LAYER_COLUMNS = {
+    "layer": "int",
+    "param_bytes": "int",
+    "buffer_bytes": "int",
+    "optimizer_state_bytes": "int",
+    "cpu_update_s": "float",
+}
+MICROBATCH_COLUMNS = {
+    "phase": "str",
+    "microbatch": "int",
+    "layer": "int",
+    "gpu_time_s": "float",
+    "peak_memory_bytes": "int",
+    "input_bytes": "int",
+}
+OPTIONAL_MICROBATCH_COLUMNS = {"saved_bytes": "int"}
+
+#: Anything above this is not a per-layer quantity of a real model (1 PB); it flags unit mistakes.
+_MAX_BYTES = 10**15
+#: A single layer taking more than a day per microbatch is a unit mistake (ms or us given as s).
+_MAX_SECONDS = 86_400.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseCosts:
+    """Per-layer costs of one phase at one microbatch size, with prefix sums.
+
+    ``time[l]`` seconds, ``memory[l]`` peak bytes of layer ``l`` alone, ``input[l]``
+    bytes of layer ``l``'s input activation (``input[R] = 0``: the loss has no output).
+    For BWD, ``time`` includes the recompute (Harmony's convention).
+    """
+
+    phase: str
+    u: int
+    time: np.ndarray
+    memory: np.ndarray
+    input: np.ndarray
+    saved: np.ndarray
+    _pt: np.ndarray = dataclasses.field(repr=False)
+    _pm: np.ndarray = dataclasses.field(repr=False)
+    _px: np.ndarray = dataclasses.field(repr=False)
+    _ps: np.ndarray = dataclasses.field(repr=False)
+
+    @classmethod
+    def build(cls, phase: str, u: int, time, memory, inputs, saved) -> "PhaseCosts":
+        z = np.zeros(1)
+        return cls(
+            phase, u, time, memory, inputs, saved,
+            np.concatenate([z, np.cumsum(time)]),
+            np.concatenate([[0], np.cumsum(memory)]).astype(np.int64),
+            np.concatenate([[0], np.cumsum(inputs)]).astype(np.int64),
+            np.concatenate([[0], np.cumsum(saved)]).astype(np.int64),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.time)
+
+    # Each query accepts ints or numpy arrays of the same shape (vectorized over packs).
+    def pack_time(self, a, b):
+        """Sum of layer times over [a, b]."""
+        return self._pt[np.add(b, 1)] - self._pt[a]
+
+    def pack_memory(self, a, b):
+        """Harmony's compute memory of a pack: sum of peaks minus the inner layers' inputs
+        (each is also the previous layer's output, counted twice otherwise)."""
+        return (self._pm[np.add(b, 1)] - self._pm[a]) - (self._px[np.add(b, 1)] - self._px[np.add(a, 1)])
+
+    def pack_saved(self, a, b):
+        """Activation bytes autograd keeps for the backward of [a, b] (stash option)."""
+        return self._ps[np.add(b, 1)] - self._ps[a]
+
+    def input_bytes(self, layer):
+        """Bytes of the input of ``layer`` (``layer = R`` gives 0)."""
+        return self.input[layer]
+
+    def inputs_sum(self, a, b):
+        """Sum of the input bytes of layers a..b."""
+        return self._px[np.add(b, 1)] - self._px[a]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Profile:
+    """Measured per-layer costs of one model on one device (see module docstring)."""
+
+    name: str
+    layers: pd.DataFrame
+    microbatch: pd.DataFrame
+    meta: dict
+    source: str = "<memory>"
+
+    # -- construction -----------------------------------------------------------------
+    def __post_init__(self):
+        _validate(self.layers, self.microbatch, self.source)
+        R = len(self.layers)
+        lay = self.layers.sort_values("layer")
+        object.__setattr__(self, "_static", {
+            c: np.concatenate([[0], np.cumsum(lay[c].to_numpy())])
+            for c in ("param_bytes", "buffer_bytes", "optimizer_state_bytes", "cpu_update_s")
+        })
+        tables = {}
+        for phase in PHASES:
+            rows = self.microbatch[self.microbatch["phase"] == phase]
+            sizes = np.array(sorted(rows["microbatch"].unique()), dtype=np.int64)
+            piv = rows.pivot(index="microbatch", columns="layer")
+            get = lambda col, dtype: piv[col].reindex(index=sizes, columns=range(R)).to_numpy(dtype)  # noqa: E731
+            saved = get("saved_bytes", np.float64) if "saved_bytes" in rows else None
+            tables[phase] = (sizes, get("gpu_time_s", np.float64),
+                             get("peak_memory_bytes", np.float64), get("input_bytes", np.int64), saved)
+        object.__setattr__(self, "_tables", tables)
+        object.__setattr__(self, "_cache", {})
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def sizes(self, phase: str) -> np.ndarray:
+        """Profiled microbatch sizes of a phase, ascending."""
+        return self._tables[_phase(phase)][0]
+
+    def size_range(self, phase: str) -> tuple[int, int]:
+        s = self.sizes(phase)
+        return int(s[0]), int(s[-1])
+
+    @property
+    def has_saved_bytes(self) -> bool:
+        return self._tables["BWD"][4] is not None
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """Short content hash: plans record it so a plan is never applied to another profile."""
+        h = hashlib.sha256()
+        h.update(pd.util.hash_pandas_object(self.layers, index=False).values.tobytes())
+        h.update(pd.util.hash_pandas_object(self.microbatch, index=False).values.tobytes())
+        return h.hexdigest()[:16]
+
+    # -- per-(phase, u) costs -----------------------------------------------------------
+    def costs(self, phase: str, u: int) -> PhaseCosts:
+        """Per-layer costs and prefix sums at microbatch ``u`` (cached)."""
+        key = (_phase(phase), int(u))
+        c = self._cache.get(key)
+        if c is None:
+            c = self._cache[key] = self._costs(*key)
+        return c
+
+    def _costs(self, phase: str, u: int) -> PhaseCosts:
+        sizes, t, m, x, s = self._tables[phase]
+        lo, hi = int(sizes[0]), int(sizes[-1])
+        if not lo <= u <= hi:
+            raise ProfileError(
+                f"{self.name}: microbatch {u} is outside the profiled {phase} range {lo}..{hi}; "
+                f"choose a size in that range or profile more sizes")
+        k = int(np.searchsorted(sizes, u))
+        if sizes[k] == u:
+            time, mem = t[k].copy(), m[k]
+            saved = s[k] if s is not None else None
+        else:
+            # Same arithmetic as numpy.interp, vectorized over layers (bit-identical results).
+            x0, x1 = sizes[k - 1], sizes[k]
+            lerp = lambda a: (a[k] - a[k - 1]) / (x1 - x0) * (u - x0) + a[k - 1]  # noqa: E731
+            time, mem = lerp(t), lerp(m)
+            saved = lerp(s) if s is not None else None
+        memory = np.trunc(mem).astype(np.int64)
+        inputs = np.append(self.input_bytes_at(u), 0).astype(np.int64)
+        if saved is None:
+            saved_b = _estimate_saved(self, phase, u, memory, inputs)
+        else:
+            saved_b = np.trunc(saved).astype(np.int64)
+        return PhaseCosts.build(phase, u, time, memory, inputs, saved_b)
+
+    def input_bytes_at(self, u: int) -> np.ndarray:
+        """Input activation bytes of every layer at microbatch ``u`` (shape [R])."""
+        sizes, _, _, x, _ = self._tables["FWD"]
+        k = int(np.searchsorted(sizes, u))
+        if k < len(sizes) and sizes[k] == u:
+            return x[k]
+        return x[0] * int(u) // int(sizes[0])
+
+    # -- static (u-independent) pack quantities -------------------------------------------
+    def _static_sum(self, col, a, b):
+        p = self._static[col]
+        return p[np.add(b, 1)] - p[a]
+
+    def param_bytes(self, a, b):
+        """Parameter bytes W of [a, b]; the gradient dW has the same size."""
+        return self._static_sum("param_bytes", a, b)
+
+    grad_bytes = param_bytes
+
+    def buffer_bytes(self, a, b):
+        return self._static_sum("buffer_bytes", a, b)
+
+    def optimizer_bytes(self, a, b):
+        return self._static_sum("optimizer_state_bytes", a, b)
+
+    def cpu_update_time(self, a, b):
+        return self._static_sum("cpu_update_s", a, b)
+
+    # Convenience wrappers used in docs and tests.
+    def fwd_time(self, a: int, b: int, u: int) -> float:
+        return float(self.costs("FWD", u).pack_time(a, b))
+
+    def bwd_time(self, a: int, b: int, u: int) -> float:
+        """Recompute plus backward time of [a, b] at ``u``."""
+        return float(self.costs("BWD", u).pack_time(a, b))
+
+    def peak_memory(self, phase: str, a: int, b: int, u: int) -> int:
+        return int(self.costs(phase, u).pack_memory(a, b))
+
+    def totals(self) -> dict:
+        R = self.num_layers - 1
+        return {
+            "layers": self.num_layers,
+            "param_bytes": int(self.param_bytes(0, R)),
+            "buffer_bytes": int(self.buffer_bytes(0, R)),
+            "optimizer_state_bytes": int(self.optimizer_bytes(0, R)),
+            "cpu_update_s": float(self.cpu_update_time(0, R)),
+        }
+
+    # -- persistence ------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        """Load a profile folder (CSV or Parquet tables, optional meta.json)."""
+        path = Path(path)
+        if not path.is_dir():
+            raise ProfileError(f"profile folder {path} does not exist; give a bundled name "
+                               f"(see `harmony-opt profiles`) or a folder with layers.csv and microbatch.csv")
+        layers = _read_table(path, "layers", LAYER_COLUMNS)
+        micro = _read_table(path, "microbatch", MICROBATCH_COLUMNS, OPTIONAL_MICROBATCH_COLUMNS)
+        meta_path = path / "meta.json"
+        meta = {}
+        if meta_path.exists():
+            try:
+                meta = json.loads(meta_path.read_text())
+            except json.JSONDecodeError as e:
+                raise ProfileError(f"{meta_path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(meta, dict):
+                raise ProfileError(f"{meta_path}: must hold a JSON object")
+        name = str(meta.get("model", path.name))
+        return cls(name, layers, micro, meta, source=str(path))
+
+    def save(self, path: str | Path, fmt: str = "csv") -> Path:
+        """Write the profile folder atomically (each file through a temporary and a rename)."""
+        from .io import atomic_write_text, atomic_write_bytes
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if fmt == "csv":
+            atomic_write_text(path / "layers.csv", self.layers.to_csv(index=False))
+            atomic_write_text(path / "microbatch.csv", self.microbatch.to_csv(index=False))
+        elif fmt == "parquet":
+            import io
+            for nm, df in (("layers", self.layers), ("microbatch", self.microbatch)):
+                buf = io.BytesIO()
+                df.to_parquet(buf, index=False)
+                atomic_write_bytes(path / f"{nm}.parquet", buf.getvalue())
+        else:
+            raise ProfileError(f"unknown profile format {fmt!r}; use csv or parquet")
+        atomic_write_text(path / "meta.json", json.dumps({**self.meta, "model": self.name}, indent=2) + "\n")
+        return path
+
+
+def _phase(phase: str) -> str:
+    p = str(phase).upper()
+    if p not in PHASES:
+        raise ProfileError(f"unknown phase {phase!r}; use FWD or BWD")
+    return p
+
+
+def _estimate_saved(profile: Profile, phase: str, u: int, memory: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+    """Activation bytes autograd saves per layer, when the profile did not measure them.
+
+    Estimated as the BWD peak minus the FWD peak at the same size (the backward's extra
+    memory is mostly what the forward saved), never less than the layer's input.
+    Profiles made by ``harmony-opt profile`` measure it instead (``saved_bytes``).
+    """
+    fwd_lo, fwd_hi = profile.size_range("FWD")
+    bwd_lo, bwd_hi = profile.size_range("BWD")
+    if not (max(fwd_lo, bwd_lo) <= u <= min(fwd_hi, bwd_hi)):
+        return inputs[:-1].copy()
+    other = "BWD" if phase == "FWD" else "FWD"
+    om = profile._tables[other]
+    sizes, _, m, _, _ = om
+    k = int(np.searchsorted(sizes, u))
+    if sizes[k] == u:
+        other_mem = m[k]
+    else:
+        x0, x1 = sizes[k - 1], sizes[k]
+        other_mem = (m[k] - m[k - 1]) / (x1 - x0) * (u - x0) + m[k - 1]
+    bwd_mem, fwd_mem = (memory, other_mem) if phase == "BWD" else (other_mem, memory)
+    est = np.maximum(np.asarray(bwd_mem, dtype=np.float64) - np.asarray(fwd_mem, dtype=np.float64), 0)
+    return np.maximum(np.trunc(est).astype(np.int64), inputs[:-1])
+
+
+def _read_table(folder: Path, stem: str, columns: dict, optional: dict | None = None) -> pd.DataFrame:
+    csv, pq = folder / f"{stem}.csv", folder / f"{stem}.parquet"
+    if csv.exists():
+        f = csv
+        try:
+            df = pd.read_csv(csv, dtype=str, keep_default_na=False)
+        except pd.errors.EmptyDataError:
+            raise ProfileError(f"{csv}: the file is empty; it needs a header row with columns "
+                               f"{', '.join(columns)}") from None
+        except (pd.errors.ParserError, UnicodeDecodeError) as e:
+            raise ProfileError(f"{csv}: cannot parse as CSV ({str(e).strip().splitlines()[-1]})") from None
+    elif pq.exists():
+        f = pq
+        try:
+            df = pd.read_parquet(pq).astype(str)
+        except Exception as e:  # pyarrow raises many types for corrupt files
+            raise ProfileError(f"{pq}: cannot read as Parquet ({type(e).__name__}: {e})") from None
+    else:
+        raise ProfileError(f"{folder}: no {stem}.csv or {stem}.parquet; a profile folder needs both "
+                           f"layers and microbatch tables")
+    df.columns = [str(c).strip() for c in df.columns]
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ProfileError(f"{f}: missing column(s) {', '.join(missing)}; expected {', '.join(columns)}")
+    if df.empty:
+        raise ProfileError(f"{f}: the table has a header but no rows")
+    out = {}
+    all_cols = dict(columns)
+    all_cols.update({c: t for c, t in (optional or {}).items() if c in df.columns})
+    for col, kind in all_cols.items():
+        s = df[col].str.strip()
+        if kind == "str":
+            out[col] = s.str.upper()
+            continue
+        num = pd.to_numeric(s, errors="coerce")
+        bad = num.isna() | ~np.isfinite(num.fillna(0).to_numpy(dtype=float))
+        if bad.any():
+            i = int(np.flatnonzero(bad.to_numpy())[0])
+            raise ProfileError(f"{f}: row {i + 2}, column {col}: {df[col].iloc[i]!r} is not a finite number")
+        if (num < 0).any():
+            i = int(np.flatnonzero((num < 0).to_numpy())[0])
+            raise ProfileError(f"{f}: row {i + 2}, column {col}: negative value {num.iloc[i]}; "
+                               f"times and sizes must be >= 0")
+        if kind == "int":
+            frac = num != np.floor(num)
+            if frac.any():
+                i = int(np.flatnonzero(frac.to_numpy())[0])
+                raise ProfileError(f"{f}: row {i + 2}, column {col}: {df[col].iloc[i]!r} must be a whole "
+                                   f"number ({'bytes' if col.endswith('bytes') else 'an index or size'})")
+            out[col] = num.astype(np.int64)
+        else:
+            out[col] = num.astype(np.float64)
+    table = pd.DataFrame(out)
+    table.attrs["source"] = str(f)
+    return table
+
+
+def _validate(layers: pd.DataFrame, micro: pd.DataFrame, source: str) -> None:
+    """Check the cross-row rules the per-column parsing cannot see."""
+    lf = layers.attrs.get("source", f"{source}/layers")
+    mf = micro.attrs.get("source", f"{source}/microbatch")
+    for col in LAYER_COLUMNS:
+        if col not in layers:
+            raise ProfileError(f"{lf}: missing column {col}")
+    for col in MICROBATCH_COLUMNS:
+        if col not in micro:
+            raise ProfileError(f"{mf}: missing column {col}")
+    if len(layers) == 0:
+        raise ProfileError(f"{lf}: no layers")
+    idx = layers["layer"].to_numpy()
+    dup = pd.Series(idx).duplicated()
+    if dup.any():
+        i = int(np.flatnonzero(dup.to_numpy())[0])
+        raise ProfileError(f"{lf}: row {i + 2}, column layer: layer {idx[i]} appears twice; each layer once")
+    R = len(idx)
+    expected = np.arange(R)
+    srt = np.sort(idx)
+    if not np.array_equal(srt, expected):
+        gap = int(expected[np.flatnonzero(srt != expected)[0]])
+        raise ProfileError(f"{lf}: column layer: layer indices must be 0..{R - 1} with no gaps; "
+                           f"layer {gap} is missing")
+    for col, limit, unit in (("param_bytes", _MAX_BYTES, "bytes"), ("buffer_bytes", _MAX_BYTES, "bytes"),
+                             ("optimizer_state_bytes", _MAX_BYTES, "bytes"), ("cpu_update_s", _MAX_SECONDS, "s")):
+        over = layers[col].to_numpy() > limit
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ProfileError(f"{lf}: row {i + 2}, column {col}: {layers[col].iloc[i]:g} {unit} is implausibly "
+                               f"large for one layer; check the units (bytes and seconds)")
+    phases = set(micro["phase"].unique())
+    unknown = phases - set(PHASES)
+    if unknown:
+        i = int(np.flatnonzero(micro["phase"].isin(unknown).to_numpy())[0])
+        raise ProfileError(f"{mf}: row {i + 2}, column phase: {micro['phase'].iloc[i]!r} is not FWD or BWD")
+    for phase in PHASES:
+        if phase not in phases:
+            raise ProfileError(f"{mf}: no rows for phase {phase}; profile at least one microbatch size per phase")
+    for col, limit, unit in (("peak_memory_bytes", _MAX_BYTES, "bytes"), ("input_bytes", _MAX_BYTES, "bytes"),
+                             ("gpu_time_s", _MAX_SECONDS, "s")):
+        over = micro[col].to_numpy() > limit
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ProfileError(f"{mf}: row {i + 2}, column {col}: {micro[col].iloc[i]:g} {unit} is implausibly "
+                               f"large for one layer; check the units (bytes and seconds)")
+    if (micro["microbatch"] < 1).any():
+        i = int(np.flatnonzero((micro["microbatch"] < 1).to_numpy())[0])
+        raise ProfileError(f"{mf}: row {i + 2}, column microbatch: sizes start at 1")
+    out_of_range = ~micro["layer"].isin(expected)
+    if out_of_range.any():
+        i = int(np.flatnonzero(out_of_range.to_numpy())[0])
+        raise ProfileError(f"{mf}: row {i + 2}, column layer: layer {micro['layer'].iloc[i]} is not in "
+                           f"layers (0..{R - 1})")
+    key = micro[["phase", "microbatch", "layer"]]
+    dup = key.duplicated()
+    if dup.any():
+        i = int(np.flatnonzero(dup.to_numpy())[0])
+        r = micro.iloc[i]
+        raise ProfileError(f"{mf}: row {i + 2}: ({r['phase']}, microbatch {r['microbatch']}, layer {r['layer']}) "
+                           f"appears twice")
+    counts = micro.groupby(["phase", "microbatch"])["layer"].nunique()
+    short = counts[counts != R]
+    if len(short):
+        (phase, u), n = short.index[0], short.iloc[0]
+        have = set(micro[(micro.phase == phase) & (micro.microbatch == u)]["layer"])
+        miss = sorted(set(range(R)) - have)[:5]
+        raise ProfileError(f"{mf}: phase {phase}, microbatch {u} has {n} of {R} layers (missing layer(s) "
+                           f"{', '.join(map(str, miss))}); every profiled size needs every layer")
+    fwd = micro[micro.phase == "FWD"].pivot(index="microbatch", columns="layer", values="input_bytes")
+    shrink = np.diff(fwd.to_numpy(), axis=0) < 0
+    if shrink.any():
+        u, l = np.argwhere(shrink)[0]
+        raise ProfileError(f"{mf}: column input_bytes: layer {fwd.columns[l]}'s input shrinks from microbatch "
+                           f"{fwd.index[u]} to {fwd.index[u + 1]}; activation sizes must grow with the size")

@@ -1,0 +1,76 @@
+"""Tables and figures people read: profile summaries and per-layer plots."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from .profile import Profile
+
+
+def profiles_table(profiles: list[Profile]) -> pd.DataFrame:
+    rows = []
+    for p in profiles:
+        t = p.totals()
+        f, b = p.sizes("FWD"), p.sizes("BWD")
+        rows.append({
+            "profile": p.name, "layers": t["layers"],
+            "params_GB": round(t["param_bytes"] / 1e9, 2),
+            "optimizer_GB": round(t["optimizer_state_bytes"] / 1e9, 2),
+            "fwd_microbatch": _sizes(f), "bwd_microbatch": _sizes(b),
+            "device": p.meta.get("device", ""),
+        })
+    return pd.DataFrame(rows)
+
+
+def _sizes(s) -> str:
+    if len(s) == 1:
+        return str(s[0])
+    step = s[1] - s[0]
+    if all(s[i + 1] - s[i] == step for i in range(len(s) - 1)):
+        return f"{s[0]}..{s[-1]}" + (f" step {step}" if step != 1 else "")
+    return ",".join(map(str, s))
+
+
+def layer_table(p: Profile, u: int) -> pd.DataFrame:
+    f, b = p.costs("FWD", min(u, p.size_range("FWD")[1])), p.costs("BWD", u)
+    lay = p.layers.sort_values("layer")
+    return pd.DataFrame({
+        "layer": lay["layer"].to_numpy(),
+        "params_MiB": (lay["param_bytes"].to_numpy() / 2**20).round(1),
+        "fwd_ms": (f.time * 1e3).round(3),
+        "bwd_ms": (b.time * 1e3).round(3),
+        "fwd_peak_MiB": (f.memory / 2**20).round(1),
+        "bwd_peak_MiB": (b.memory / 2**20).round(1),
+        "input_MiB": (b.input[:-1] / 2**20).round(2),
+        "cpu_update_ms": (lay["cpu_update_s"].to_numpy() * 1e3).round(2),
+    })
+
+
+def plot_profile(p: Profile, u: int, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .io import atomic_write_bytes
+    import io
+
+    df = layer_table(p, u)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    ax1.plot(df.layer, df.fwd_ms, label="forward", lw=1)
+    ax1.plot(df.layer, df.bwd_ms, label="recompute + backward", lw=1)
+    ax1.plot(df.layer, df.cpu_update_ms, label="CPU optimizer step", lw=1, ls="--")
+    ax1.set_ylabel("time per layer (ms)")
+    ax1.legend(loc="upper right", fontsize=8)
+    ax1.set_title(f"{p.name}: per-layer profile at microbatch {u} ({p.meta.get('device', '')})")
+    ax2.plot(df.layer, df.fwd_peak_MiB, label="forward peak", lw=1)
+    ax2.plot(df.layer, df.bwd_peak_MiB, label="backward peak", lw=1)
+    ax2.plot(df.layer, df.params_MiB, label="parameters", lw=1, ls="--")
+    ax2.set_ylabel("memory per layer (MiB)")
+    ax2.set_xlabel("layer")
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())

@@ -1,0 +1,145 @@
+"""Timeline: what a simulator (or the runtime's measurement) says happened in one iteration.
+
+``events`` is a pandas table, one row per event: ``rank, stream, kind, task, pack,
+microbatch, start, end, bytes``. ``memory`` is a step function per rank: ``rank, time,
+bytes`` (GPU bytes in use from ``time`` on). Exports: Chrome/Perfetto trace JSON and a
+matplotlib Gantt chart with memory over time beneath.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+EVENT_COLUMNS = ["rank", "stream", "kind", "task", "pack", "microbatch", "start", "end", "bytes"]
+
+#: Streams that move bytes over the host link, by direction.
+H2D_STREAMS = ("swap_in", "SwapIn")
+D2H_STREAMS = ("swap_out", "SwapOut")
+P2P_STREAMS = ("p2p", "P2PIn", "P2POut")
+
+
+@dataclasses.dataclass
+class Timeline:
+    events: pd.DataFrame
+    iteration_time: float
+    memory: pd.DataFrame = dataclasses.field(
+        default_factory=lambda: pd.DataFrame(columns=["rank", "time", "bytes"]))
+    cost_model: str = "default"
+    ranks: int = 1
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_records(cls, records: list[tuple], iteration_time: float, memory_records=(), **kw) -> "Timeline":
+        ev = pd.DataFrame.from_records(records, columns=EVENT_COLUMNS) if records else pd.DataFrame(
+            columns=EVENT_COLUMNS)
+        mem = pd.DataFrame.from_records(list(memory_records), columns=["rank", "time", "bytes"])
+        return cls(ev, float(iteration_time), mem, **kw)
+
+    # -- summaries ------------------------------------------------------------------------
+    def peak_memory(self) -> dict[int, int]:
+        """Peak GPU bytes per rank."""
+        if self.memory.empty:
+            return {}
+        return {int(r): int(g["bytes"].max()) for r, g in self.memory.groupby("rank")}
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes per link: host->GPU, GPU->host, GPU<->GPU (counted once per transfer)."""
+        ev = self.events
+        out = {}
+        for name, streams in (("h2d", H2D_STREAMS), ("d2h", D2H_STREAMS)):
+            out[name] = int(ev.loc[ev.stream.isin(streams), "bytes"].sum())
+        p2p = ev[ev.stream.isin(P2P_STREAMS)]
+        # a rendezvous appears on both sides (send and receive): count the send only
+        sends = p2p[p2p.kind.isin(["Y", "dX", "send", "ARD"]) | (p2p.stream == "P2POut")]
+        out["p2p"] = int(sends["bytes"].sum())
+        return out
+
+    def swap_bytes(self) -> int:
+        b = self.bytes_moved()
+        return b["h2d"] + b["d2h"]
+
+    def busy_time(self, stream: str = "compute") -> dict[int, float]:
+        ev = self.events[self.events.stream.str.lower() == stream.lower()]
+        return {int(r): float((g.end - g.start).sum()) for r, g in ev.groupby("rank")}
+
+    # -- exports ----------------------------------------------------------------------------
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Chrome/Perfetto trace: one process per rank, one thread per stream, times in us."""
+        from .io import atomic_write_text
+        streams = sorted(self.events.stream.unique()) if len(self.events) else []
+        tid = {s: i for i, s in enumerate(streams)}
+        trace = []
+        for r in range(self.ranks):
+            trace.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+            for s, i in tid.items():
+                trace.append({"ph": "M", "name": "thread_name", "pid": r, "tid": i, "args": {"name": s}})
+        for e in self.events.itertuples(index=False):
+            trace.append({
+                "ph": "X", "pid": int(e.rank), "tid": tid[e.stream], "name": f"{e.kind} {e.pack}",
+                "ts": float(e.start) * 1e6, "dur": max(float(e.end - e.start), 0.0) * 1e6,
+                "args": {"task": e.task, "microbatch": int(e.microbatch), "bytes": int(e.bytes)},
+            })
+        for m in self.memory.itertuples(index=False):
+            trace.append({"ph": "C", "pid": int(m.rank), "name": "GPU memory (MiB)",
+                          "ts": float(m.time) * 1e6, "args": {"MiB": float(m.bytes) / 2**20}})
+        return atomic_write_text(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+
+    def plot(self, path: str | Path, title: str = "", cap: int | None = None) -> Path:
+        """Gantt chart per rank and stream, with GPU memory over time beneath."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from .io import atomic_write_bytes
+        ev = self.events
+        lanes = sorted({(int(r), s) for r, s in zip(ev["rank"], ev["stream"])}, key=lambda x: (x[0], x[1]))
+        colors = {"compute": "tab:blue", "FWD": "tab:blue", "REC": "tab:cyan", "BWD": "tab:green",
+                  "UPD": "tab:red", "Update": "tab:red"}
+        fig, (ax, axm) = plt.subplots(2, 1, figsize=(13, 2 + 0.35 * len(lanes) + 2.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [max(len(lanes), 1) * 0.35 + 1, 2.5]})
+        for y, (r, s) in enumerate(lanes):
+            sub = ev[(ev["rank"] == r) & (ev["stream"] == s)]
+            bars = list(zip(sub.start, sub.end - sub.start))
+            cols = [colors.get(k, {"swap_in": "tab:orange", "SwapIn": "tab:orange", "swap_out": "tab:purple",
+                                   "SwapOut": "tab:purple"}.get(s, "tab:gray")) for k in sub.kind]
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=cols, edgecolor="none")
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels([f"GPU{r} {s}" for r, s in lanes], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(title or f"timeline ({self.cost_model} cost model): iteration {self.iteration_time:.3f} s")
+        from matplotlib.patches import Patch
+        ax.legend(handles=[Patch(color=c, label=l) for l, c in (
+            ("forward", "tab:blue"), ("recompute", "tab:cyan"), ("backward", "tab:green"),
+            ("CPU update", "tab:red"), ("swap in", "tab:orange"), ("swap out", "tab:purple"),
+            ("other", "tab:gray"))], fontsize=7, loc="upper right", ncol=4)
+        for r, g in self.memory.groupby("rank"):
+            g = g.sort_values("time")
+            axm.step(g.time, g.bytes / 2**30, where="post", label=f"GPU{r}", lw=1)
+        if cap:
+            axm.axhline(cap / 2**30, color="k", ls="--", lw=1, label="memory cap")
+        axm.set_ylabel("GPU memory (GiB)")
+        axm.set_xlabel("time (s)")
+        if not self.memory.empty:
+            axm.legend(fontsize=7, loc="upper right", ncol=5)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        return atomic_write_bytes(path, buf.getvalue())
+
+
+def memory_steps(rank: int, deltas: list[tuple[float, int]]) -> list[tuple[int, float, int]]:
+    """Turn (time, +/-bytes) allocation deltas into a step function (rank, time, bytes in use)."""
+    if not deltas:
+        return [(rank, 0.0, 0)]
+    d = np.array(sorted(deltas, key=lambda x: (x[0], x[1])), dtype=np.float64)
+    times, inc = d[:, 0], d[:, 1]
+    level = np.cumsum(inc)
+    # keep the last level at each time (frees at the same instant as allocs net out)
+    keep = np.append(times[1:] != times[:-1], True)
+    return [(rank, 0.0, 0)] + [(rank, float(t), int(b)) for t, b in zip(times[keep], level[keep])]

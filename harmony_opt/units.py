@@ -1,0 +1,39 @@
+"""Byte and time units, and parsing of sizes such as ``9e9``, ``10GiB`` or ``8583MB``."""
+from __future__ import annotations
+
+import re
+
+from .errors import UsageError
+
+KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
+KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": KB, "kb": KB, "m": MB, "mb": MB, "g": GB, "gb": GB, "t": TB, "tb": TB,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float, what: str = "size") -> int:
+    """Parse ``9e9``, ``10GiB``, ``8583MB`` or a number into bytes (MB = 10^6, MiB = 2^20)."""
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE.match(str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise UsageError(f"{what}: cannot read {text!r} as a size; write e.g. 9e9, 10GiB or 8583MB")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    nbytes = int(value * _UNITS[unit])
+    if nbytes <= 0:
+        raise UsageError(f"{what}: {text!r} is not a positive size")
+    return nbytes
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable bytes in binary units (what GPU tools print)."""
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
