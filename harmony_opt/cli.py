@@ -17,6 +17,7 @@ from .errors import HarmonyOptError, UsageError
 _COMMAND_MODULES = (
     "harmony_opt.commands.profiles",
     "harmony_opt.commands.planning",
+    "harmony_opt.commands.measure",
     "harmony_opt.commands.running",
     "harmony_opt.commands.reproduce",
 )
