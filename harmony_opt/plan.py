@@ -70,6 +70,7 @@ class Plan:
     num_layers: int
     options: tuple[PackOptions, ...] = ()   # one per backward pack; empty means all defaults
     prefetch: bool = True
+    input_batch_grouping: bool = True       # False: every microbatch sweeps all packs (naive swapping)
     allow_uneven: bool = False              # microbatch sizes need not divide the batch
     cost_model: str = "default"
     memory_cap: int | None = None
@@ -152,6 +153,9 @@ class Plan:
             if not self.allow_uneven and any(s % u for s in shares):
                 raise PlanError(f"plan field microbatch.{phase}: {u} does not divide the {shares[0]} samples per "
                                 f"GPU; choose a divisor or set allow_uneven (the last microbatch is then smaller)")
+        if not self.input_batch_grouping and self.microbatch_fwd != self.microbatch_bwd:
+            raise PlanError("plan field microbatch: without input-batch grouping every microbatch sweeps the "
+                            "whole model, so fwd and bwd sizes must be equal")
         if self.memory_cap is not None and (not isinstance(self.memory_cap, int) or self.memory_cap <= 0):
             raise PlanError(f"plan field memory_cap: must be a positive number of bytes, got {self.memory_cap!r}")
         return self
@@ -190,6 +194,7 @@ class Plan:
             "options": [o.to_dict() for o in self.options],
             "num_layers": self.num_layers,
             "prefetch": self.prefetch,
+            "input_batch_grouping": self.input_batch_grouping,
             "allow_uneven": self.allow_uneven,
             "cost_model": self.cost_model,
             "memory_cap": self.memory_cap,
@@ -235,7 +240,7 @@ class Plan:
                 raise PlanError(f"{source}: field options[{i}] must be an object with recompute and optimizer")
             parsed.append(PackOptions(recompute=o.get("recompute", True), optimizer=o.get("optimizer", "cpu")))
         kw["options"] = tuple(parsed)
-        for k in ("prefetch", "allow_uneven"):
+        for k in ("prefetch", "input_batch_grouping", "allow_uneven"):
             if k in d:
                 if not isinstance(d[k], bool):
                     raise PlanError(f"{source}: field {k} must be true or false")

@@ -18,7 +18,7 @@ import pandas as pd
 EVENT_COLUMNS = ["rank", "stream", "kind", "task", "pack", "microbatch", "start", "end", "bytes"]
 
 #: Streams that move bytes over the host link, by direction.
-H2D_STREAMS = ("swap_in", "SwapIn")
+H2D_STREAMS = ("swap_in", "swap_in_w", "SwapIn")
 D2H_STREAMS = ("swap_out", "SwapOut")
 P2P_STREAMS = ("p2p", "P2PIn", "P2POut")
 

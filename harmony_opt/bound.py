@@ -1,0 +1,46 @@
+"""A lower bound on the iteration time of any plan, so every plan's efficiency is known.
+
+For a (Profile, Hardware, minibatch D) and any mode, GPU count, microbatch sizes,
+packing and per-pack options, an iteration needs at least:
+
+* compute: every sample passes every layer's forward once and every layer's backward
+  once; at best each at its most efficient profiled size per sample, spread evenly over
+  all GPUs: ``D * sum_l (min_u tF(u,l)/u + min_u (tB(u,l) - tF(u,l))/u) / N``;
+* host link: if the model's weights and buffers do not fit in the GPUs together, the
+  excess must come in over the link at least once per iteration; what of weights,
+  gradients and optimizer state does not fit must leave (as gradients to a CPU
+  optimizer, or as updated weights and state from a GPU step), at least up to the
+  size of the weights: ``bytes / link bandwidth`` per direction.
+
+The CPU optimizer is not a term: a plan may step every pack on the GPU instead.
+
+efficiency = bound / simulated time (1.0 would be perfect).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .hardware import Hardware
+from .profile import Profile
+
+
+def lower_bound(profile: Profile, hw: Hardware, batch: int, memory_cap: int | None = None) -> dict:
+    cap = memory_cap or hw.gpu_memory_bytes
+    n = hw.gpus
+    R = profile.num_layers
+    fs, bs = profile.sizes("FWD"), profile.sizes("BWD")
+    common = [u for u in bs if u >= fs[0] and u <= fs[-1]]
+    f_rate = np.min(np.stack([profile.costs("FWD", int(u)).time / u for u in fs]), axis=0)
+    b_only = np.min(np.stack([np.maximum(profile.costs("BWD", int(u)).time - profile.costs("FWD", int(u)).time, 0) / u
+                              for u in common]), axis=0) if common else np.zeros(R)
+    compute = batch * float(np.sum(f_rate) + np.sum(b_only)) / n
+    wb = int(profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1))
+    k = int(profile.optimizer_bytes(0, R - 1))
+    link = hw.link_bandwidth or hw.h2d_bandwidth
+    if not hw.shared_host_link:
+        link = link * n
+    h2d_bytes = max(0, wb - n * cap)
+    w = int(profile.param_bytes(0, R - 1))
+    d2h_bytes = min(w, max(0, wb + k + w - n * cap))
+    terms = {"compute_s": compute, "h2d_s": h2d_bytes / link, "d2h_s": d2h_bytes / link}
+    return {"bound_s": max(terms.values()), **terms}

@@ -1,0 +1,206 @@
+"""`harmony-opt plan | baseline | simulate | compare`."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from ..bundled import load_profile
+from ..errors import HarmonyOptError, UsageError
+from ..hardware import get_hardware
+from ..plan import Plan
+
+
+def _common(p):
+    p.add_argument("--profile", required=True, help="bundled profile name or profile folder")
+    p.add_argument("--hardware", default="1080ti-x4", help="preset (1080ti-x4, h100-x1) or .toml/.json file")
+    p.add_argument("--batch", type=int, required=True, help="minibatch size D")
+    p.add_argument("--mode", default="auto", choices=("auto", "vPP", "vDP"))
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all of the hardware's)")
+    p.add_argument("--memory-cap", default=None, help="usable GPU memory, e.g. 9e9, 10GiB, 8583MB")
+    p.add_argument("--cost-model", default="default", choices=("default", "harmony"))
+
+
+def register(sub):
+    p = sub.add_parser("plan", help="search the fastest plan with CP-SAT")
+    _common(p)
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole search")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--no-hint", action="store_true", help="do not warm-start from Harmony's search")
+    p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    p.add_argument("--quiet", action="store_true", help="do not print solver progress")
+    p.set_defaults(func=_plan)
+
+    b = sub.add_parser("baseline", help="plan with a baseline planner")
+    b.add_argument("--planner", required=True, help="harmony, naive-swap, l2l or zero-offload")
+    _common(b)
+    b.add_argument("--packing-fwd", default="balanced_time,reuse", help="Harmony's forward packers (or 'all')")
+    b.add_argument("--packing-bwd", default="balanced_time", help="Harmony's backward packers (or 'all')")
+    b.add_argument("-o", "--output", default=None)
+    b.set_defaults(func=_baseline)
+
+    s = sub.add_parser("simulate", help="simulate a plan: iteration time, memory, swap volume")
+    s.add_argument("plan")
+    s.add_argument("--profile", default=None, help="profile (default: the one named in the plan)")
+    s.add_argument("--hardware", default=None, help="hardware (default: the plan's)")
+    s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON")
+    s.add_argument("--plot", default=None, help="write a Gantt PNG with memory over time")
+    s.set_defaults(func=_simulate)
+
+    c = sub.add_parser("compare", help="every planner on the same inputs, scored by the same simulator")
+    _common(c)
+    c.add_argument("--time-limit", type=float, default=10.0)
+    c.add_argument("-o", "--output", default=None, help="write the table as CSV")
+    c.add_argument("--plot", default=None, help="write the Gantt PNG of the best plan")
+    c.set_defaults(func=_compare)
+
+
+def _inputs(args):
+    profile = load_profile(args.profile)
+    hw = get_hardware(args.hardware, memory_cap=args.memory_cap)
+    if args.gpus is not None and args.gpus > hw.gpus:
+        raise UsageError(f"--gpus {args.gpus}: hardware {hw.name!r} has {hw.gpus} GPU(s)")
+    if args.batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {args.batch}")
+    return profile, hw
+
+
+def _packers(text: str):
+    return tuple(x.strip() for x in text.split(",") if x.strip()) if text not in ("all", "defaults") else text
+
+
+def _describe(plan: Plan) -> str:
+    return (f"{plan.mode} on {plan.gpus} GPU(s), microbatch fwd {plan.microbatch_fwd} / bwd {plan.microbatch_bwd}, "
+            f"{len(plan.packs_fwd)} forward + {len(plan.packs_bwd)} backward packs")
+
+
+def _plan(args):
+    from solver_models.planner import PlannerOptions, plan
+    if args.cost_model != "default":
+        raise UsageError("--cost-model harmony: the CP-SAT planner optimizes the default cost model; "
+                         "use `harmony-opt baseline --planner harmony --cost-model harmony` for Harmony's numbers")
+    profile, hw = _inputs(args)
+    opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, seed=args.seed,
+                          workers=args.workers, hint=not args.no_hint)
+    report = None if args.quiet else print
+    p = plan(profile, hw, args.batch, opts, memory_cap=hw.gpu_memory_bytes, report=report)
+    s = p.solver
+    print(f"plan: {_describe(p)}")
+    print(f"simulated iteration time {p.simulated_iteration_time_s:.4f} s   (CP-SAT objective "
+          f"{s['objective']:.4f} s, status {s['status']}, bound {s['bound']:.4f} s)")
+    print(f"lower bound over all plans {s['lower_bound_s']:.4f} s, efficiency {p.stats['efficiency']:.3f}; "
+          f"search {p.search_time_s:.2f} s")
+    if s.get("speedup_over_harmony"):
+        print(f"Harmony's search on the same inputs: {s['harmony_time_s']:.4f} s -> speed-up "
+              f"{s['speedup_over_harmony']:.3f}x")
+    if args.output:
+        print(f"wrote {p.save(args.output)}")
+
+
+def _baseline(args):
+    from ..baselines import get_planner
+    profile, hw = _inputs(args)
+    planner = get_planner(args.planner)
+    kw = {"gpus": args.gpus}
+    if args.planner.lower() == "harmony":
+        kw.update(mode="vPP" if args.mode == "auto" else args.mode, cost_model=args.cost_model,
+                  packing_fwd=_packers(args.packing_fwd), packing_bwd=_packers(args.packing_bwd))
+    p = planner(profile, hw, args.batch, hw.gpu_memory_bytes, **kw)
+    print(f"{p.planner}: {_describe(p)}")
+    print(f"simulated iteration time {p.simulated_iteration_time_s:.6f} s ({p.cost_model} cost model); "
+          f"search {p.search_time_s:.3f} s")
+    if args.output:
+        print(f"wrote {p.save(args.output)}")
+
+
+def _simulate(args):
+    from ..baselines import score  # noqa: F401  (keeps planners importable)
+    from ..simulator import simulate
+    plan = Plan.load(args.plan)
+    pname = args.profile or plan.profile.get("name")
+    if not pname:
+        raise UsageError(f"{args.plan}: the plan names no profile; pass --profile")
+    profile = load_profile(pname)
+    if args.hardware:
+        hw = get_hardware(args.hardware)
+    elif plan.hardware:
+        from ..hardware import Hardware
+        hw = Hardware.from_dict(plan.hardware, f"{args.plan}: hardware")
+    else:
+        raise UsageError(f"{args.plan}: the plan names no hardware; pass --hardware")
+    if plan.cost_model == "harmony":
+        from ..harmony_compat import simulate_harmony
+        tl = simulate_harmony(plan, profile)
+    else:
+        tl = simulate(plan, profile, hw)
+    moved = tl.bytes_moved()
+    print(f"{plan.planner} plan: {_describe(plan)}")
+    print(f"iteration time {tl.iteration_time:.6f} s ({plan.cost_model} cost model)")
+    print("peak GPU memory: " + ", ".join(f"GPU{r} {b / 2**30:.2f} GiB" for r, b in tl.peak_memory().items()))
+    print(f"bytes moved: host->GPU {moved['h2d'] / 1e9:.2f} GB, GPU->host {moved['d2h'] / 1e9:.2f} GB, "
+          f"GPU<->GPU {moved['p2p'] / 1e9:.2f} GB")
+    if args.trace:
+        print(f"wrote {tl.to_chrome_trace(args.trace)}")
+    if args.plot:
+        print(f"wrote {tl.plot(args.plot, cap=plan.memory_cap or hw.gpu_memory_bytes)}")
+
+
+def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0):
+    """Every planner on the same inputs; returns (table, plans by name)."""
+    from solver_models.planner import PlannerOptions, plan as cp_plan
+
+    from ..baselines import PLANNERS
+    from ..bound import lower_bound
+    from ..simulator import simulate
+    cap = hw.gpu_memory_bytes
+    rows, plans = [], {}
+    bound = lower_bound(profile, hw, batch, cap)["bound_s"]
+    runs = [("cp-sat", lambda: cp_plan(profile, hw, batch, PlannerOptions(mode=mode, gpus=gpus,
+                                                                          time_limit=time_limit), memory_cap=cap))]
+    for name, fn in PLANNERS.items():
+        kw = {"gpus": gpus}
+        if name == "harmony":
+            kw["mode"] = "vPP" if mode == "auto" else mode
+        runs.append((name, lambda fn=fn, kw=kw: fn(profile, hw, batch, cap, **kw)))
+    for name, run in runs:
+        t0 = time.perf_counter()
+        try:
+            p = run()
+        except HarmonyOptError as e:
+            rows.append({"planner": name, "iteration_s": float("nan"), "note": str(e).split(";")[0][:90]})
+            continue
+        tl = simulate(p, profile, hw)
+        peak = tl.peak_memory()
+        moved = tl.bytes_moved()
+        plans[name] = (p, tl)
+        rows.append({
+            "planner": name, "mode": p.mode, "gpus": p.gpus, "u_fwd": p.microbatch_fwd, "u_bwd": p.microbatch_bwd,
+            "packs_fwd": len(p.packs_fwd), "packs_bwd": len(p.packs_bwd),
+            "iteration_s": round(tl.iteration_time, 4), "efficiency": round(bound / tl.iteration_time, 3),
+            "swap_GB": round((moved["h2d"] + moved["d2h"]) / 1e9, 2),
+            "peak_GiB_per_gpu": "/".join(f"{b / 2**30:.2f}" for b in peak.values()),
+            "search_s": round(time.perf_counter() - t0, 2), "note": "",
+        })
+    rows.append({"planner": "lower-bound", "iteration_s": round(bound, 4), "efficiency": 1.0,
+                 "note": "no plan can be faster"})
+    return pd.DataFrame(rows), plans
+
+
+def _compare(args):
+    profile, hw = _inputs(args)
+    df, plans = compare_table(profile, hw, args.batch, args.mode, args.gpus, args.time_limit)
+    print(f"{profile.name}, minibatch {args.batch}, {hw.name} (cap {hw.gpu_memory_bytes / 2**30:.2f} GiB), "
+          f"default cost model")
+    print(df.fillna("").to_string(index=False))
+    if args.output:
+        from ..io import atomic_write_text
+        atomic_write_text(args.output, df.to_csv(index=False))
+        print(f"wrote {args.output}")
+    if args.plot and plans:
+        best = min(plans, key=lambda k: plans[k][1].iteration_time)
+        p, tl = plans[best]
+        out = tl.plot(Path(args.plot), title=f"{profile.name} D={args.batch}: {best} plan, "
+                      f"{tl.iteration_time:.2f} s/iteration", cap=hw.gpu_memory_bytes)
+        print(f"wrote {out}")

@@ -1,0 +1,35 @@
+"""Shared fixtures: synthetic profiles small enough for property tests."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harmony_opt.profile import Profile
+
+
+def synthetic_profile(R: int = 8, sizes=(1, 2, 4, 8), seed: int = 0, mem_scale: float = 1.0,
+                      name: str = "synthetic") -> Profile:
+    """A random but physically sensible profile: times and memory grow with the microbatch."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(1, 50, R) * 2**20
+    x = rng.integers(1, 8, R) * 2**18
+    x[0] = 2**12
+    t = rng.uniform(1e-3, 5e-3, R)
+    layers = pd.DataFrame({"layer": np.arange(R), "param_bytes": w, "buffer_bytes": np.zeros(R, int),
+                           "optimizer_state_bytes": 2 * w, "cpu_update_s": w / 4e9})
+    rows = []
+    for phase, k in (("FWD", 1.0), ("BWD", 3.0)):
+        for u in sizes:
+            for l in range(R):
+                act = int(x[l] * u)
+                peak = int((w[l] * (1 if phase == "FWD" else 2) + 3 * act) * mem_scale)
+                rows.append((phase, u, l, float(k * t[l] * (0.5 + 0.5 * u)), peak, act))
+    micro = pd.DataFrame(rows, columns=["phase", "microbatch", "layer", "gpu_time_s", "peak_memory_bytes",
+                                        "input_bytes"])
+    return Profile(name, layers, micro, {"model": name})
+
+
+@pytest.fixture
+def small_profile():
+    return synthetic_profile()

@@ -1,0 +1,52 @@
+import json
+
+import pytest
+
+from harmony_opt import PlanError
+from harmony_opt.plan import Plan
+
+
+def good(**kw):
+    d = dict(planner="t", mode="vPP", gpus=2, batch=8, microbatch_fwd=2, microbatch_bwd=2,
+             packs_fwd=[(0, 1)], packs_bwd=[(0, 1), (2, 3)], num_layers=4)
+    d.update(kw)
+    return Plan(**d)
+
+
+def test_json_roundtrip(tmp_path):
+    p = good()
+    q = Plan.load(p.save(tmp_path / "p.json"))
+    assert q == p
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["microbatch"] == {"fwd": 2, "bwd": 2} and d["packs"]["bwd"] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    ({"packs_bwd": [(0, 2), (2, 3)]}, "overlaps"),
+    ({"packs_bwd": [(0, 1), (3, 3)]}, "leaves layers 2..2 uncovered"),
+    ({"packs_fwd": [(0, 0)]}, "must end at layer 1"),
+    ({"microbatch_fwd": 3}, "does not divide"),
+    ({"mode": "vXP"}, "mode"),
+    ({"gpus": 0}, "gpus"),
+    ({"packs_fwd": [], "packs_bwd": [(0, 3)], "microbatch_bwd": 16}, "larger than"),
+])
+def test_bad_plans_name_the_field(kw, fragment):
+    with pytest.raises(PlanError, match=fragment):
+        good(**kw)
+
+
+def test_malformed_json_names_the_field(tmp_path):
+    d = good().to_dict()
+    d["packs"]["fwd"] = [[0]]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match=r"packs.fwd\[0\]"):
+        Plan.load(f)
+    f.write_text('{"planner": "x"')
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(f)
+
+
+def test_uneven_microbatches_when_declared():
+    p = good(microbatch_fwd=3, allow_uneven=True)
+    assert p.microbatches("FWD") == [3, 3, 2]
