@@ -1,0 +1,143 @@
+"""`harmony-opt profile` (measure a built-in model's layers) and `harmony-opt probe` (measure the machine).
+
+::
+
+    harmony-opt profile gpt2-xl --device cuda --microbatch 1,2,4,8 -o profiles/gpt2_xl_h100
+    harmony-opt profile gpt2-tiny --device cpu --microbatch 1-9:4 --set n_layer=2 -o /tmp/tiny
+    harmony-opt probe -o hardware.toml
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+from pathlib import Path
+
+from ..errors import UsageError
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+)(?::(\d+))?)?$")
+
+
+def register(sub):
+    p = sub.add_parser("profile", help="measure a built-in model's layers on this machine and write a profile folder")
+    p.add_argument("model", help="built-in model name (gpt2-medium, gpt2-xl, bert-large, bert-96, vgg416, "
+                                 "resnet1026, gpt2-tiny, bert-tiny, vgg-tiny, resnet-tiny)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--microbatch", "-u", default="1,2,4",
+                   help="sizes to measure: a comma list of N or A-B or A-B:STEP (default 1,2,4)")
+    p.add_argument("-o", "--output", required=True, help="profile folder to write")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before them (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the input batches")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the model's spec, e.g. --set n_layer=2 --set sequence_length=512")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_profile)
+
+    q = sub.add_parser("probe", help="measure host<->GPU and GPU<->GPU bandwidth and memory; write a hardware file")
+    q.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when available, else cpu (host memcpy only, for testing)")
+    q.add_argument("-o", "--output", required=True, help="hardware file to write (.toml, or .json)")
+    q.add_argument("--sizes", default=None, help="transfer sizes, e.g. 4MiB,32MiB,256MiB (default)")
+    q.add_argument("--repeats", type=int, default=5, help="copies per size (default 5)")
+    q.set_defaults(func=_probe)
+
+
+def _profile(args):
+    from ..models import build_model, model_spec
+    from ..profiler import check_sizes, profile_model, resolve_device
+
+    device = resolve_device(args.device or _default_device())
+    sizes = check_sizes(parse_microbatches(args.microbatch))
+    overrides = parse_overrides(args.overrides)
+    model_spec(args.model, **overrides)   # name and options checked before anything is created
+    out = _writable_folder(args.output)
+    model = build_model(args.model, seed=args.seed, **overrides)
+    prof = profile_model(model, sizes, str(device), repeats=args.repeats, warmup=args.warmup,
+                         progress=not args.no_progress, seed=args.seed)
+    try:
+        prof.save(out)
+    except OSError as e:
+        raise UsageError(f"cannot write the profile to {out}: {e.strerror or e}") from None
+    print(f"wrote {out}: {prof.name}, {prof.num_layers} layers, microbatch {', '.join(map(str, prof.sizes('FWD')))}"
+          f" on {prof.meta['device']}")
+    for note in prof.meta.get("skipped", []):
+        print(f"note: {note}")
+
+
+def _probe(args):
+    from ..probe import DEFAULT_SIZES, probe_hardware
+    from ..units import fmt_bytes, parse_bytes
+
+    path = _writable_file(args.output)
+    sizes = DEFAULT_SIZES if args.sizes is None else tuple(
+        parse_bytes(s, "--sizes") for s in args.sizes.split(",") if s.strip())
+    if not sizes or args.repeats < 1:
+        raise UsageError("--sizes needs at least one size and --repeats must be >= 1")
+    hw = probe_hardware(args.device or _default_device(), sizes, repeats=args.repeats)
+    try:
+        hw.save(path)
+    except OSError as e:
+        raise UsageError(f"cannot write the hardware file {path}: {e.strerror or e}") from None
+    print(f"wrote {path}: {hw.name}, {hw.gpus} device(s) of {fmt_bytes(hw.gpu_memory_bytes)} usable, "
+          f"host->device {hw.h2d_bandwidth / 1e9:.1f} GB/s, device->host {hw.d2h_bandwidth / 1e9:.1f} GB/s")
+
+
+def parse_microbatches(text: str) -> list[int]:
+    """``1,2,4`` or ``1-9:4`` (1, 5, 9) or a mix; sizes ascending, each once."""
+    sizes: set[int] = set()
+    for token in str(text).split(","):
+        m = _RANGE.match(token.strip())
+        if not m:
+            raise UsageError(f"--microbatch: cannot read {token.strip()!r} in {text!r}; write sizes like 1,2,4 "
+                             f"or a range like 1-9:4")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) else lo
+        step = int(m.group(3)) if m.group(3) else 1
+        if lo < 1 or hi < lo or step < 1:
+            raise UsageError(f"--microbatch: {token.strip()!r} is not a range of sizes >= 1 (A-B:STEP with "
+                             f"1 <= A <= B, STEP >= 1)")
+        sizes.update(range(lo, hi + 1, step))
+    return sorted(sizes)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["n_layer=2", "norm=batch", "stages=[1,1]"]`` -> dict; values read as Python literals, else strings."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set {item!r}: write KEY=VALUE, e.g. --set n_layer=2")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _writable_folder(path: str, what: str | None = None) -> Path:
+    """Create the output folder now, so a bad path fails before a long measurement, not after."""
+    p, what = Path(path), what or f"-o {path}"
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{what}: {p} exists and is not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{what}: cannot create the folder {p} ({e.strerror or e})") from None
+    if not os.access(p, os.W_OK):
+        raise UsageError(f"{what}: the folder {p} is not writable")
+    return p
+
+
+def _writable_file(path: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"-o {path}: is a folder; give a file name such as hardware.toml")
+    _writable_folder(str(p.parent), f"-o {path}")
+    return p

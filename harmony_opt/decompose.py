@@ -1,0 +1,287 @@
+"""Cut a model into Harmony's ordered layers ("vLayers"), the loss being the last one.
+
+The planner, the profiler and the executor all see a model as a chain: layer 0 takes
+the input batch tensor, layer ``l > 0`` takes the single tensor layer ``l - 1``
+returned, and the last layer is the loss, called as ``loss(prev_output, targets)``
+and returning the MEAN loss over the samples of its microbatch (so microbatch losses
+average to the minibatch loss). A chain is what lets packs be contiguous layer ranges
+that swap in and out as units.
+
+Three ways in::
+
+    layers = decompose(nn.Sequential(...), nn.CrossEntropyLoss())          # children
+    layers = decompose(my_model, loss, split_at=(MyBlock,), example_input=x)  # torch.fx
+    layers = decompose_gpt2(GPT2LMHeadModel(config))                         # Hugging Face
+    layers = decompose_bert(BertForSequenceClassification(config))
+
+Layers share their parameters with the model they came from (no copies), except the
+LM head of a GPT-2 whose weight is tied to the token embedding: see
+:func:`decompose_gpt2`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import UsageError
+
+log = logging.getLogger(__name__)
+
+MakeBatch = Callable[[int, torch.Generator], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclasses.dataclass
+class LayeredModel:
+    """A model as a chain of layers, with the data it trains on.
+
+    ``make_batch(batch_size, generator)`` returns ``(inputs, targets)`` on the CPU,
+    deterministic given the generator, so that every executor and every test trains
+    on the same minibatches. ``meta`` holds architecture facts the profile records
+    (``sequence_length``, ``optimizer`` "adam" or "sgd", ``description``, ...).
+    """
+
+    name: str
+    layers: list[nn.Module]
+    make_batch: MakeBatch
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The chain's loss on one batch: the reference every executor must reproduce."""
+        return run_layers(self.layers, inputs, targets)
+
+
+def run_layers(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Chain ``layers`` on one batch; the last layer gets ``(output, targets)``."""
+    x = inputs
+    for layer in layers[:-1]:
+        x = layer(x)
+    return layers[-1](x, targets)
+
+
+# -- generic models --------------------------------------------------------------------------
+
+def decompose(model: nn.Module, loss: nn.Module, *, split_at: tuple[type, ...] = (),
+              example_input: torch.Tensor | None = None) -> list[nn.Module]:
+    """Layers of ``model`` followed by ``loss``.
+
+    An ``nn.Sequential`` (with no ``split_at``) is cut at its children. Any other model
+    is traced with ``torch.fx`` (modules of the ``split_at`` types stay opaque) and cut
+    before every module of those types; the operations between two such modules join
+    the layer of the module before them (so a max-pool after a conv fuses into the
+    conv's layer, as in Harmony), and operations before the first one join the first
+    layer. Every cut must be crossed by exactly one tensor; a skip connection across a
+    cut is refused with the name of the module where it happens.
+
+    ``example_input``, when given, is run through the model and through the layers and
+    the two outputs must agree: a cheap proof that the cut is faithful.
+    """
+    if isinstance(model, nn.Sequential) and not split_at:
+        body = list(model.children())
+    elif not split_at:
+        raise UsageError(f"{type(model).__name__} is not an nn.Sequential: give split_at, the module "
+                         f"types to cut before (e.g. split_at=(MyBlock,))")
+    else:
+        body = _fx_split(model, tuple(split_at))
+    if example_input is not None:
+        _check_same_output(model, body, example_input)
+    return [*body, loss]
+
+
+class _LeafTracer(torch.fx.Tracer):
+    """fx tracer that keeps the split types opaque, so each becomes one call_module node."""
+
+    def __init__(self, leaves: tuple[type, ...]):
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, self.leaves) or super().is_leaf_module(m, qualname)
+
+
+def _fx_split(model: nn.Module, split_at: tuple[type, ...]) -> list[nn.Module]:
+    from torch.fx.passes.split_module import split_module
+
+    names = ", ".join(t.__name__ for t in split_at)
+    try:
+        graph = _LeafTracer(split_at).trace(model)
+    except Exception as e:  # fx raises TraceError, TypeError, ... on data-dependent control flow
+        raise UsageError(f"cannot trace {type(model).__name__} with torch.fx ({type(e).__name__}: {e}); "
+                         f"add the untraceable module's type to split_at or pass an nn.Sequential") from None
+    gm = torch.fx.GraphModule(model, graph)
+    part, heads = _partition(gm, split_at)
+    if not heads:
+        raise UsageError(f"{type(model).__name__} calls no module of type {names}; nothing to split at")
+    split = split_module(gm, model, lambda node: part[node], keep_original_order=True)
+    return _chain_of(split, heads, type(model).__name__)
+
+
+def _partition(gm: torch.fx.GraphModule, split_at: tuple[type, ...]) -> tuple[dict, list[str]]:
+    """Partition id of every node: a new one starts at each module of a split type.
+
+    Returns the node -> partition map and, per partition, the qualified name of the
+    module that starts it (for error messages).
+    """
+    part, heads = {}, []
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), split_at):
+            heads.append(str(node.target))
+        part[node] = max(len(heads) - 1, 0)
+    return part, heads
+
+
+def _chain_of(split: torch.fx.GraphModule, heads: list[str], model_name: str) -> list[nn.Module]:
+    """The partitions of ``split`` as a chain, refusing any cut crossed by more than one tensor."""
+    nodes = list(split.graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        raise UsageError(f"{model_name}.forward takes {len(inputs)} inputs; a layered model takes one tensor")
+    calls = [n for n in nodes if n.op == "call_module"]
+    prev = inputs[0]
+    for k, node in enumerate(calls):
+        if node.args != (prev,) or node.kwargs or len(prev.users) != 1:
+            where = heads[k] if k < len(heads) else heads[-1]
+            raise UsageError(f"{model_name}: the cut before module {where!r} is crossed by more than one tensor "
+                             f"(a skip connection or a second input); split at a coarser module type that "
+                             f"contains the whole connection")
+        prev = node
+    (out,) = [n for n in nodes if n.op == "output"]
+    if out.args != (prev,) or any(n.op not in ("placeholder", "call_module", "output") for n in nodes):
+        raise UsageError(f"{model_name}: the last layer returns more than one tensor; a layered model's body "
+                         f"must return one tensor")
+    return [getattr(split, str(n.target)) for n in calls]
+
+
+def _check_same_output(model: nn.Module, body: list[nn.Module], x: torch.Tensor) -> None:
+    with torch.no_grad():
+        want = model(x)
+        got = x
+        for k, layer in enumerate(body):
+            got = layer(got)
+            if not isinstance(got, torch.Tensor):
+                raise UsageError(f"layer {k} ({type(layer).__name__}) returns {type(got).__name__}; "
+                                 f"every layer must return one tensor")
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape or not torch.allclose(want, got, atol=1e-5):
+        raise UsageError(f"the layers of {type(model).__name__} do not reproduce its output on example_input; "
+                         f"the model's forward does more than call its modules in order (is it deterministic, "
+                         f"with dropout off?)")
+
+
+# -- Hugging Face transformers -----------------------------------------------------------------
+
+class FirstOutput(nn.Module):
+    """Runs a Hugging Face block and keeps its hidden states: some versions return tuples."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.block(hidden)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class GPT2Embedding(nn.Module):
+    """Token plus position embeddings of GPT-2, then dropout (as ``GPT2Model.forward``)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module):
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class GPT2Layer(nn.Module):
+    """One GPT-2 block with the causal mask ``GPT2Model`` would build for it.
+
+    The mask is made by transformers' own ``create_causal_mask`` from the config, so it
+    matches the attention implementation in use (``None`` for SDPA, which then runs
+    causally; an additive mask for eager attention).
+    """
+
+    def __init__(self, block: nn.Module, config):
+        super().__init__()
+        self.block = block
+        self.config = config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=positions)
+        out = self.block(hidden, attention_mask=mask)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class CausalLMLoss(nn.Module):
+    """Next-token cross entropy, mean over all predicted tokens (``GPT2LMHeadModel``'s loss).
+
+    Every sample has the same number of tokens, so this is also the mean over samples.
+    """
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shifted = logits[:, :-1, :].float()
+        return nn.functional.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+class ClassificationLoss(nn.Module):
+    """Cross entropy over ``num_labels`` classes, mean over samples (``BertForSequenceClassification``)."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def decompose_gpt2(hf_model: nn.Module) -> list[nn.Module]:
+    """Layers of a ``GPT2LMHeadModel``: embeddings, each block, final norm, LM head, loss.
+
+    ``n_layer + 4`` layers, as in Harmony's GPT-2 profiles. Harmony swaps the LM head
+    and the embedding as separate layers, so a head tied to the token embedding
+    (transformers' default) is untied here: the head gets a copy of the weight, and
+    training then follows the untied model. Build with ``tie_word_embeddings=False``
+    (as :mod:`harmony_opt.models` does) to avoid the copy.
+    """
+    transformer, head = _require(hf_model, "GPT2LMHeadModel", "transformer", "lm_head")
+    if head.weight is transformer.wte.weight:
+        log.warning("GPT-2 LM head is tied to the token embedding; the head layer gets its own copy "
+                    "(build with tie_word_embeddings=False to train exactly the layered model)")
+        untied = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
+                           device=head.weight.device, dtype=head.weight.dtype)
+        with torch.no_grad():
+            untied.weight.copy_(head.weight)
+            if head.bias is not None:
+                untied.bias.copy_(head.bias)
+        head = untied
+    return [GPT2Embedding(transformer.wte, transformer.wpe, transformer.drop),
+            *(GPT2Layer(block, hf_model.config) for block in transformer.h),
+            transformer.ln_f, head, CausalLMLoss()]
+
+
+def decompose_bert(hf_model: nn.Module) -> list[nn.Module]:
+    """Layers of a ``BertForSequenceClassification``: embeddings, each encoder layer, pooler, head, loss.
+
+    ``num_hidden_layers + 4`` layers, the cut of Harmony's BERT profiles (whose head is
+    a 2-class linear layer). No attention mask is passed: every token attends to every
+    token, as ``BertModel`` does when given no mask.
+    """
+    bert, classifier = _require(hf_model, "BertForSequenceClassification", "bert", "classifier")
+    if bert.pooler is None:
+        raise UsageError("the BERT model has no pooler (add_pooling_layer=False); the classification "
+                         "head needs the pooled output")
+    return [bert.embeddings, *(FirstOutput(layer) for layer in bert.encoder.layer),
+            bert.pooler, nn.Sequential(hf_model.dropout, classifier), ClassificationLoss()]
+
+
+def _require(model: nn.Module, cls: str, *attrs: str) -> tuple[nn.Module, ...]:
+    if not all(hasattr(model, a) for a in attrs):
+        raise UsageError(f"expected a Hugging Face {cls} (with {', '.join(attrs)}), got {type(model).__name__}")
+    return tuple(getattr(model, a) for a in attrs)

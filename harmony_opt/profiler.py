@@ -1,0 +1,363 @@
+"""Measure a layered model on the current device and produce a :class:`~harmony_opt.profile.Profile`.
+
+::
+
+    prof = profile_model(build_model("gpt2-tiny"), [1, 2, 4], device="cpu")
+    prof.save("profiles/gpt2_tiny_cpu")
+
+Each layer runs alone, as Harmony's profiler does, at every microbatch size, on the
+input the previous layers produced (the model is never resident as a whole: on CUDA
+one layer at a time is moved to the GPU and back). Per layer and size it records:
+
+* FWD ``gpu_time_s``: forward with autograd off. BWD ``gpu_time_s``: recompute the
+  forward with autograd on, then the backward (Harmony's convention). CUDA events on
+  a GPU, the wall clock on the CPU; the mean of ``repeats`` runs after ``warmup``.
+* ``peak_memory_bytes``: on CUDA, ``torch.cuda.max_memory_allocated`` while running
+  the layer alone (W, B, X, Y, gradients, workspace). On the CPU it is an analytic
+  estimate, since the CPU allocator keeps no peak: FWD = params + buffers + input +
+  output; BWD = that + gradients (= params) + saved activations.
+* ``input_bytes``: bytes of the layer's input tensor; ``saved_bytes``: bytes of the
+  tensors autograd saves for the layer's backward (found with
+  ``torch.autograd.graph.saved_tensors_hooks``, each storage counted once, parameters
+  and buffers excluded), the cost of stashing instead of recomputing.
+* per layer: parameter and buffer bytes, optimizer state (Adam 2 x params, SGD with
+  momentum 1 x), and ``cpu_update_s``: one ``torch.optim`` step of the layer's
+  parameters on the CPU, where Harmony runs the optimizer.
+
+If a layer runs out of GPU memory at some size, that size and every larger one are
+dropped for all layers (a profile needs the same sizes for every layer), with a
+warning; if even the smallest size does not fit, profiling fails.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import platform
+import time
+from typing import Callable
+
+import pandas as pd
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .decompose import LayeredModel
+from .errors import InfeasibleError, UsageError
+from .profile import Profile
+
+log = logging.getLogger(__name__)
+
+#: Optimizer state per parameter byte, by optimizer name (model.meta["optimizer"]).
+OPTIMIZER_STATE_FACTOR = {"adam": 2, "sgd": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One layer at one microbatch size (bytes and seconds)."""
+
+    fwd_time: float
+    bwd_time: float
+    fwd_peak: int
+    bwd_peak: int
+    input_bytes: int
+    saved_bytes: int
+
+
+def profile_model(model: LayeredModel, microbatches: list[int], device: str = "cpu", *, repeats: int = 3,
+                  warmup: int = 1, progress: bool = True, seed: int = 0) -> Profile:
+    """Profile every layer of ``model`` at every size in ``microbatches`` on ``device`` ("cpu" or "cuda")."""
+    dev = resolve_device(device)
+    sizes = check_sizes(microbatches)
+    if repeats < 1 or warmup < 0:
+        raise UsageError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    optimizer = str(model.meta.get("optimizer", "adam")).lower()
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise UsageError(f"model {model.name}: optimizer {optimizer!r} is not one of "
+                         f"{', '.join(OPTIMIZER_STATE_FACTOR)}")
+    if any(p.is_meta for layer in model.layers for p in layer.parameters()):
+        raise UsageError(f"model {model.name} was built on the meta device (shapes only); build it with real weights")
+    if model.num_layers < 2:
+        raise UsageError(f"model {model.name} has {model.num_layers} layer(s); it needs at least a body and a loss")
+
+    gen = torch.Generator().manual_seed(seed)
+    batches = {u: model.make_batch(u, gen) for u in sizes}
+    acts = {u: x for u, (x, _) in batches.items()}
+    skipped: list[str] = []
+    static_rows, rows = [], []
+    R = model.num_layers
+    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with on_device, tqdm(total=R, disable=not progress, unit="layer", leave=False) as bar:
+        for l, layer in enumerate(model.layers):
+            bar.set_description_str(f"profiling layer {l + 1} of {R}")
+            log.debug("profiling layer %d of %d", l + 1, R)
+            static_rows.append(_static_row(l, layer, optimizer, repeats))
+            with _moved_to(layer, dev) as base:
+                for u in list(sizes):
+                    target = batches[u][1] if l == R - 1 else None
+                    try:
+                        m, out = _measure(layer, acts[u], target, dev, repeats, warmup, base)
+                    except torch.cuda.OutOfMemoryError:
+                        if u == sizes[0]:
+                            raise InfeasibleError(
+                                f"layer {l} ({type(layer).__name__}) of {model.name} does not fit in {dev} memory "
+                                f"even at microbatch {u}", layer=l, microbatch=u) from None
+                        msg = (f"layer {l} ran out of {dev} memory at microbatch {u}; profiling sizes below {u} "
+                               f"only (every layer needs the same sizes)")
+                        log.warning(msg)
+                        skipped.append(msg)
+                        sizes = [s for s in sizes if s < u]
+                        rows = [r for r in rows if r["microbatch"] < u]
+                        break
+                    rows.extend(_rows(l, u, m))
+                    acts[u] = out
+            bar.update(1)
+    meta = _meta(model, dev, optimizer, repeats, warmup, skipped)
+    micro = pd.DataFrame(rows).sort_values(["phase", "microbatch", "layer"], ascending=[False, True, True])
+    return Profile(model.name, pd.DataFrame(static_rows), micro.reset_index(drop=True), meta)
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``cpu`` or ``cuda[:i]``; CUDA without a GPU is the user's error, said in one line."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"unknown device {device!r}; use cpu or cuda") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA GPU is available here (torch "
+                             f"{torch.__version__}); use --device cpu")
+        return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    if dev.type != "cpu":
+        raise UsageError(f"unsupported device {device!r}; use cpu or cuda")
+    return dev
+
+
+def check_sizes(microbatches) -> list[int]:
+    """Distinct positive microbatch sizes, ascending."""
+    sizes = list(microbatches)
+    if not sizes or any(isinstance(u, bool) or not isinstance(u, int) or u < 1 for u in sizes):
+        raise UsageError(f"microbatch sizes must be whole numbers >= 1, got {sizes}")
+    return sorted(set(sizes))
+
+
+# -- one layer ---------------------------------------------------------------------------------
+
+def _call(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    return layer(x) if target is None else layer(x, target)
+
+
+def _measure(layer, x_host, target_host, dev, repeats, warmup, base) -> tuple[Measurement, torch.Tensor | None]:
+    """FWD and BWD of one layer (already on ``dev``) at one size.
+
+    Returns the measurement and the layer's output on the host (``None`` for the loss).
+    Device tensors are local, so they are freed when this returns; ``base`` is the
+    device memory allocated before the layer was moved in, which the peak excludes.
+    """
+    x = x_host.to(dev)
+    target = None if target_host is None else target_host.to(dev)
+
+    def fwd():
+        with torch.no_grad():
+            return _call(layer, x, target)
+
+    for _ in range(warmup):
+        fwd()
+    out, fwd_peak = _peak(fwd, dev, base)
+    fwd_time = _mean_time(fwd, dev, repeats)
+    out_host, out_bytes = out.to("cpu"), tensor_bytes(out)
+    grad_out = None if target is not None else torch.ones_like(out)
+    del out   # the backward's peak must not count the forward's output
+
+    def bwd():
+        xi = x.detach().requires_grad_(x.is_floating_point())
+        y = _call(layer, xi, target)
+        if y.requires_grad:
+            y.backward(grad_out)
+
+    for _ in range(warmup):
+        bwd()
+    layer.zero_grad(set_to_none=True)   # the peak run allocates the gradients, as a first backward does
+    _, bwd_peak = _peak(bwd, dev, base)
+    bwd_time = _mean_time(bwd, dev, repeats)
+    saved = saved_bytes(layer, x, target)
+    x_bytes = tensor_bytes(x)
+    if dev.type == "cpu":
+        w, b = _param_bytes(layer), _buffer_bytes(layer)
+        fwd_peak = w + b + x_bytes + out_bytes
+        bwd_peak = fwd_peak + w + saved
+    m = Measurement(fwd_time, bwd_time, fwd_peak, bwd_peak, x_bytes, saved)
+    return m, (None if target is not None else out_host)
+
+
+def _rows(layer: int, u: int, m: Measurement) -> list[dict]:
+    return [{"phase": phase, "microbatch": u, "layer": layer, "gpu_time_s": t, "peak_memory_bytes": int(peak),
+             "input_bytes": m.input_bytes, "saved_bytes": m.saved_bytes}
+            for phase, t, peak in (("FWD", m.fwd_time, m.fwd_peak), ("BWD", m.bwd_time, m.bwd_peak))]
+
+
+def _mean_time(fn: Callable[[], object], dev: torch.device, repeats: int) -> float:
+    """Mean seconds of ``fn``: CUDA events on a GPU (device time), the wall clock on the CPU."""
+    if dev.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        for s, e in zip(starts, ends):
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize(dev)
+        return sum(s.elapsed_time(e) for s, e in zip(starts, ends)) / repeats / 1e3
+    total = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+    return total / repeats
+
+
+def _peak(fn, dev: torch.device, base: int):
+    """Run ``fn`` once; on CUDA also return the peak bytes allocated meanwhile, less ``base``
+    (what was allocated before the layer was moved in): W, B, X, Y, gradients, workspace."""
+    if dev.type != "cuda":
+        return fn(), 0
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    result = fn()
+    torch.cuda.synchronize(dev)
+    return result, max(int(torch.cuda.max_memory_allocated(dev)) - base, 0)
+
+
+def _allocated(dev: torch.device) -> int:
+    return int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else 0
+
+
+@contextlib.contextmanager
+def _moved_to(layer: nn.Module, dev: torch.device):
+    """Run with ``layer`` alone on ``dev``; yields the device bytes allocated before it came in.
+    Afterwards the layer is back where it was, without gradients, and the device cache is emptied."""
+    home, base = _device_of(layer), _allocated(dev)
+    layer.to(dev)
+    try:
+        yield base
+    finally:
+        layer.to(home)
+        layer.zero_grad(set_to_none=True)
+        _release(dev)
+
+
+def _release(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+
+
+def saved_bytes(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None = None) -> int:
+    """Bytes of the activations autograd saves for ``layer``'s backward on input ``x``.
+
+    Each storage is counted once (views share it); the layer's own parameters and
+    buffers are excluded, since they are resident anyway.
+    """
+    resident = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in resident:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _call(layer, x.detach().requires_grad_(x.is_floating_point()), target)
+    return sum(seen.values())
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _param_bytes(layer: nn.Module) -> int:
+    return sum(tensor_bytes(p) for p in layer.parameters())
+
+
+def _buffer_bytes(layer: nn.Module) -> int:
+    return sum(tensor_bytes(b) for b in layer.buffers())
+
+
+def _device_of(layer: nn.Module) -> torch.device:
+    t = next(iter((*layer.parameters(), *layer.buffers())), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+# -- per-layer (size-independent) quantities ---------------------------------------------------
+
+def _static_row(l: int, layer: nn.Module, optimizer: str, repeats: int) -> dict:
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+    return {"layer": l, "param_bytes": _param_bytes(layer), "buffer_bytes": _buffer_bytes(layer),
+            "optimizer_state_bytes": OPTIMIZER_STATE_FACTOR[optimizer] * sum(tensor_bytes(p) for p in trainable),
+            "cpu_update_s": cpu_update_time(trainable, optimizer, repeats)}
+
+
+def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 3) -> float:
+    """Mean seconds of one optimizer step over copies of ``params`` on the CPU (0 without params).
+
+    The first step (which allocates the optimizer state) is not timed. Adam for
+    "adam", SGD with momentum 0.9 for "sgd", PyTorch's default implementations.
+    """
+    if not params:
+        return 0.0
+    copies = [p.detach().to("cpu", copy=True).requires_grad_() for p in params]
+    for c in copies:
+        c.grad = torch.full_like(c, 1e-3)
+    opt = (torch.optim.Adam(copies, lr=1e-4) if optimizer == "adam"
+           else torch.optim.SGD(copies, lr=1e-3, momentum=0.9))
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        opt.step()
+    return (time.perf_counter() - t0) / repeats
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return _cpu_model() or platform.processor() or platform.machine() or "CPU"
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, warmup: int,
+          skipped: list[str]) -> dict:
+    from . import __version__
+
+    cpu = dev.type == "cpu"
+    return {
+        **{k: v for k, v in model.meta.items() if k != "optimizer"},
+        "model": model.name,
+        "device": device_name(dev),
+        "device_type": dev.type,
+        "dtype": model.meta.get("dtype", "float32"),
+        "framework": f"PyTorch {torch.__version__}",
+        "sequence_length": model.meta.get("sequence_length"),
+        "optimizer": optimizer,
+        "timing": "wall clock (time.perf_counter)" if cpu else "CUDA events",
+        "peak_memory": ("analytic estimate: FWD = params + buffers + input + output; BWD = FWD + grads + saved"
+                        if cpu else "torch.cuda.max_memory_allocated, layer alone"),
+        "repeats": repeats,
+        "warmup": warmup,
+        "skipped": skipped,
+        "tool": f"harmony-opt {__version__}",
+        "format_version": 1,
+    }

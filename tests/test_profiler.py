@@ -1,0 +1,188 @@
+"""Profiler, probe and the `profile` / `probe` commands (CPU; GPU variants skipped without CUDA)."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from harmony_opt.cli import main
+from harmony_opt.commands.measure import parse_microbatches
+from harmony_opt.decompose import LayeredModel
+from harmony_opt.errors import InfeasibleError, UsageError
+from harmony_opt.hardware import Hardware
+from harmony_opt.models import build_model
+from harmony_opt.probe import probe_hardware
+from harmony_opt.profile import Profile
+from harmony_opt.profiler import cpu_update_time, profile_model, saved_bytes
+
+FAST = dict(repeats=1, warmup=0, progress=False)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def gpt2_profile():
+    model = build_model("gpt2-tiny")
+    return model, profile_model(model, [2, 1], "cpu", **FAST)
+
+
+def test_profile_round_trips_through_save_and_load(gpt2_profile, tmp_path):
+    _, prof = gpt2_profile
+    loaded = Profile.load(prof.save(tmp_path / "gpt2_tiny"))
+    assert loaded.name == "gpt2-tiny" and loaded.num_layers == 8 and loaded.has_saved_bytes
+    pd.testing.assert_frame_equal(loaded.layers, prof.layers, check_dtype=False)
+    pd.testing.assert_frame_equal(loaded.microbatch, prof.microbatch, check_dtype=False)
+    assert list(loaded.sizes("FWD")) == list(loaded.sizes("BWD")) == [1, 2]
+    assert loaded.meta["device_type"] == "cpu" and loaded.meta["optimizer"] == "adam"
+    assert loaded.meta["sequence_length"] == 32
+
+
+def test_profile_values_are_consistent_with_the_model(gpt2_profile):
+    model, prof = gpt2_profile
+    micro, layers = prof.microbatch, prof.layers.set_index("layer")
+    assert (micro.drop(columns="phase") >= 0).all().all() and (prof.layers >= 0).all().all()
+    fwd = micro[micro.phase == "FWD"].pivot(index="layer", columns="microbatch", values="input_bytes")
+    assert (fwd[2] == 2 * fwd[1]).all()
+    assert fwd.loc[0, 1] == 32 * 8   # one sample of 32 int64 token ids
+    for l, layer in enumerate(model.layers):
+        nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        assert layers.loc[l, "param_bytes"] == nbytes
+        assert layers.loc[l, "optimizer_state_bytes"] == 2 * nbytes
+        assert (layers.loc[l, "cpu_update_s"] > 0) == (nbytes > 0)
+    bwd = micro[micro.phase == "BWD"].set_index(["microbatch", "layer"])
+    fwd_peak = micro[micro.phase == "FWD"].set_index(["microbatch", "layer"])["peak_memory_bytes"]
+    assert (bwd["peak_memory_bytes"] >= fwd_peak).all()
+    assert (micro.gpu_time_s > 0).all()
+
+
+def test_saved_bytes_counts_activations_not_parameters():
+    linear, x = nn.Linear(16, 4), torch.randn(8, 16)
+    assert saved_bytes(linear, x) == x.numel() * 4          # Linear saves its input; its weight is excluded
+    assert saved_bytes(nn.Sequential(nn.Linear(16, 16), nn.ReLU()), x) >= 2 * x.numel() * 4
+
+
+def test_cpu_update_time():
+    assert cpu_update_time([], "adam") == 0.0
+    assert cpu_update_time([nn.Parameter(torch.zeros(1000))], "sgd", repeats=1) > 0
+
+
+class _OutOfMemoryAt(nn.Module):
+    """Raises CUDA's out-of-memory error at batch sizes >= ``limit``, as a too-large layer would."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] >= self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.linear(x)
+
+
+def _toy(limit: int) -> LayeredModel:
+    layers = [nn.Linear(4, 4), _OutOfMemoryAt(limit), nn.CrossEntropyLoss()]
+    def make_batch(b, g):
+        return torch.randn(b, 4, generator=g), torch.randint(4, (b,), generator=g)
+
+    return LayeredModel("toy", layers, make_batch, {"optimizer": "sgd"})
+
+
+def test_out_of_memory_drops_that_size_and_larger_for_every_layer():
+    prof = profile_model(_toy(limit=4), [1, 2, 4, 8], "cpu", **FAST)
+    assert list(prof.sizes("FWD")) == list(prof.sizes("BWD")) == [1, 2]
+    assert len(prof.microbatch) == 2 * 2 * 3
+    assert "microbatch 4" in prof.meta["skipped"][0]
+    with pytest.raises(InfeasibleError, match="even at microbatch 1"):
+        profile_model(_toy(limit=1), [1, 2], "cpu", **FAST)
+
+
+def test_profile_refuses_bad_arguments():
+    model = build_model("vgg-tiny")
+    with pytest.raises(UsageError, match="whole numbers >= 1"):
+        profile_model(model, [0, 1], "cpu", **FAST)
+    with pytest.raises(UsageError, match="meta device"):
+        profile_model(build_model("vgg-tiny", device="meta"), [1], "cpu", **FAST)
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no CUDA"):
+            profile_model(model, [1], "cuda", **FAST)
+
+
+def test_probe_on_cpu_returns_a_valid_hardware(tmp_path):
+    hw = probe_hardware("cpu", sizes=(1 << 20, 2 << 20), repeats=2)
+    assert hw.gpus == 1 and hw.h2d_bandwidth > 0 and hw.gpu_memory_bytes > 0
+    assert hw.pinned_memory_bytes <= hw.host_memory_bytes
+    assert "WITHOUT a GPU" in hw.description
+    assert Hardware.load(hw.save(tmp_path / "hw.toml")) == hw
+
+
+# -- command line ------------------------------------------------------------------------------
+
+def test_cli_profile_writes_a_loadable_profile(tmp_path, capsys):
+    out = tmp_path / "prof"
+    rc = main(["profile", "gpt2-tiny", "--device", "cpu", "-u", "1,2", "-o", str(out), "--repeats", "1",
+               "--warmup", "0", "--no-progress", "--set", "n_layer=1"])
+    assert rc == 0, capsys.readouterr().err
+    prof = Profile.load(out)
+    assert prof.num_layers == 5 and list(prof.sizes("FWD")) == [1, 2]
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_probe_writes_a_hardware_file(tmp_path, capsys):
+    out = tmp_path / "hw.toml"
+    rc = main(["probe", "--device", "cpu", "-o", str(out), "--sizes", "1MiB,2MiB", "--repeats", "2"])
+    assert rc == 0, capsys.readouterr().err
+    assert Hardware.load(out).gpus == 1
+
+
+def test_parse_microbatches():
+    assert parse_microbatches("4,1,2,2") == [1, 2, 4]
+    assert parse_microbatches("1-9:4, 2") == [1, 2, 5, 9]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["profile", "gpt3", "-o", "{tmp}/p"], "unknown model"),
+    (["profile", "gpt2-tiny", "-u", "1,x", "-o", "{tmp}/p"], "--microbatch"),
+    (["profile", "gpt2-tiny", "-u", "0", "-o", "{tmp}/p"], "--microbatch"),
+    (["profile", "gpt2-tiny", "-u", "4-2", "-o", "{tmp}/p"], "--microbatch"),
+    (["profile", "gpt2-tiny", "-o", "{tmp}/file/p"], "cannot create"),
+    (["profile", "gpt2-tiny", "-o", "{tmp}/file"], "not a folder"),
+    (["profile", "gpt2-tiny", "--set", "depth=3", "-o", "{tmp}/p"], "unknown option"),
+    (["profile", "gpt2-tiny", "--repeats", "0", "-u", "1", "-o", "{tmp}/p"], "repeats"),
+    (["probe", "--device", "cpu", "-o", "{tmp}"], "is a folder"),
+    (["probe", "--device", "cpu", "-o", "{tmp}/file/hw.toml"], "not a folder"),
+    (["probe", "--device", "cpu", "--sizes", "lots", "-o", "{tmp}/hw.toml"], "--sizes"),
+])
+def test_cli_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("command", ["profile gpt2-tiny", "probe"])
+def test_cli_cuda_without_a_gpu_exits_2(command, tmp_path, capsys):
+    assert main([*command.split(), "--device", "cuda", "-o", str(tmp_path / "out")]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@cuda
+def test_profile_on_cuda_measures_peak_memory(tmp_path):
+    model = build_model("gpt2-tiny")
+    prof = profile_model(model, [1, 2], "cuda", **FAST)
+    micro = prof.microbatch.merge(prof.layers, on="layer")
+    assert (micro.peak_memory_bytes >= micro.param_bytes + micro.input_bytes).all()
+    assert prof.meta["timing"] == "CUDA events"
+    assert all(p.device.type == "cpu" for layer in model.layers for p in layer.parameters())
+    Profile.load(prof.save(tmp_path / "p"))
+
+
+@pytest.mark.gpu
+@cuda
+def test_probe_on_cuda():
+    hw = probe_hardware("cuda", sizes=(1 << 20, 16 << 20), repeats=2)
+    assert hw.gpus == torch.cuda.device_count() and hw.h2d_bandwidth > 1e8 and hw.d2h_bandwidth > 1e8
