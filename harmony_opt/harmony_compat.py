@@ -11,12 +11,16 @@ expansion with and without ``prefetch_offload``, durations, rendezvous, re-batch
 deadlock handling and per-task memory estimate. Its known weaknesses (bandwidth divided by
 the number of busy GPUs, prefetch off while scoring, a reported memory that is not what
 the packers check, a fixed 40 ms per deletion) are kept on purpose; the project's default
-cost model does not share them.
+cost model does not share them. Flags not offered: ``--reverse_bwd`` (deprecated),
+``--memory_cap_scale`` (pass the scaled cap), ``--no_offload_optim`` (the simulator
+requires offload) and the debug flags. Where the original would crash (no size to search,
+a re-batching mismatch) this module raises InfeasibleError or PlanError instead.
 
 Usage::
 
-    res = harmony_search(load_profile("bert_96"), batch=32, gpus=2, mode="vPP",
-                         memory_cap=10 * 2**30, rank_fit_normally=True)
+    profile = load_profile("bert_96")
+    res = harmony_search(profile, batch=32, gpus=2, mode="vPP", memory_cap=10 * 2**30,
+                         rank_fit_normally=True)             # res.best.time: 17.873845 s
     plan = res.best_plan()
     timeline = simulate_harmony(plan, profile)        # timeline.iteration_time == plan's time
 
@@ -38,14 +42,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from enum import Enum
-from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import networkx as nx
 import numpy as np
 
 from .bundled import load_profile
 from .errors import InfeasibleError, PlanError, UsageError
-from .harmony_compat_packing import (PACKERS, PACKING_SETS, Pack, Packs, candidate_sizes, data_shares,
+from .harmony_compat_packing import (PACKERS, PACKING_SETS, Packs, candidate_sizes, data_shares,
                                      get_packer, packing_methods, split_microbatches)
 from .plan import Plan
 from .profile import Profile
@@ -349,7 +353,6 @@ class _Sim:
     def __init__(self, G: nx.DiGraph, profile: Profile, bw_swap, bw_p2p, bw_msg, time_del, prefetch):
         g = G.graph
         self.G, self.nodes, self.profile = G, G.nodes, profile
-        self.R = g["num_layers"]
         self.vpp = g["mode"] == "vPP" and g["gpus"] > 1
         self.n = len({G.nodes[i]["rank"] for i in G})
         self.swap = bw_swap / self.n
@@ -923,7 +926,11 @@ class HarmonySearchResult:
         return self.candidates[0]
 
     def best_plan(self, rank: int = 0) -> Plan:
-        """The ``rank``-th ranked candidate (0 = Top-1) as a Plan of planner "harmony"."""
+        """The ``rank``-th ranked candidate (0 = Top-1) as a Plan of planner "harmony".
+
+        ``prefetch`` keeps the Plan default (True, what Harmony's runtime does); the settings
+        the candidate was scored with (prefetch_offload off by default) are in ``stats``.
+        """
         if not 0 <= rank < len(self.candidates):
             raise UsageError(f"rank {rank} is out of range; the search kept {len(self.candidates)} candidate(s)")
         c = self.candidates[rank]

@@ -242,13 +242,16 @@ def test_fit_on_one_gpu_ranks_first_unless_ranked_normally():
 def test_score_callable_replaces_simulator(bert96):
     seen = []
 
+    def value(plan):
+        return float(plan.microbatch_bwd * 100 + len(plan.packs_bwd))
+
     def score(plan):
         seen.append(plan)
-        return float(plan.microbatch_bwd * 100 + len(plan.packs_bwd))
+        return value(plan)
 
     res = harmony_search(bert96, 32, 2, "vPP", CAP10, score=score, rank_fit_normally=True)
     assert seen and all(p.planner == "harmony" for p in seen)
-    assert res.best.time == min(score(p) for p in seen) and res.best.memory is None
+    assert res.best.time == min(value(p) for p in seen) and res.best.memory is None
 
 
 def test_infeasible_names_layer_size_and_cap(bert96):
