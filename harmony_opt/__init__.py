@@ -18,3 +18,9 @@ __all__ = [
     "ProgramError", "RuntimeMemoryError", "UsageError", "PRESETS", "Hardware", "get_hardware",
     "PackOptions", "Plan", "PhaseCosts", "Profile", "bundled_names", "load_profile",
 ]
+
+from .compiler import compile_plan  # noqa: E402
+from .program import Program, validate_program  # noqa: E402
+from .train import TrainResult, train  # noqa: E402
+
+__all__ += ["compile_plan", "Program", "validate_program", "TrainResult", "train"]

@@ -1,0 +1,96 @@
+"""`harmony-opt compile` (Plan -> Program) and `harmony-opt run` (train a model as a plan says)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import PlanError, UsageError
+from ..plan import Plan
+from ..units import fmt_bytes, parse_bytes
+
+
+def register(sub):
+    c = sub.add_parser("compile", help="lower a plan to a per-GPU instruction program and validate it")
+    c.add_argument("plan", help="plan JSON")
+    c.add_argument("-o", "--output", required=True, help="program JSON to write")
+    c.add_argument("--model", default=None,
+                   help="measure the model's tensor sizes so that the program carries bytes and the memory cap "
+                        "is checked")
+    c.add_argument("--memory-cap", default=None, help="bytes per GPU to check against (default: the plan's)")
+    c.set_defaults(func=_compile)
+
+    r = sub.add_parser("run", help="train a model with the plan's schedule (real tensors, CPU or GPUs)")
+    r.add_argument("plan", help="plan JSON")
+    r.add_argument("--model", required=True, help="built-in model name (e.g. gpt2-tiny)")
+    r.add_argument("--steps", type=int, default=20, help="total steps, counted from step 0 (default 20)")
+    r.add_argument("--batch-data", choices=["synthetic"], default="synthetic",
+                   help="where minibatches come from: the model's seeded synthetic data")
+    r.add_argument("--checkpoint", metavar="DIR", default=None, help="write a checkpoint here (atomically)")
+    r.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="also every N steps")
+    r.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint")
+    r.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    r.add_argument("--optimizer", default=None, help="adam, sgd or adamw (default: the model's)")
+    r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--memory-cap", default=None, help="live device bytes per rank (default: the plan's)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=_run)
+
+
+def _model(name: str):
+    from ..models import build_model
+    return build_model(name)
+
+
+def _compile(args):
+    from ..compiler import compile_plan
+    from ..program import validate_program
+
+    plan = Plan.load(args.plan)
+    sizes = None
+    if args.model:
+        import torch
+
+        from runtime.shapes import measure_layer_bytes
+
+        model = _model(args.model)
+        if plan.num_layers != len(model.layers):
+            raise PlanError(f"{args.plan} has {plan.num_layers} layers but model {args.model} has "
+                            f"{len(model.layers)}")
+        x, y = model.make_batch(1, torch.Generator().manual_seed(0))
+        states = 2 if model.meta.get("optimizer", "adam") == "adam" else 1
+        sizes = measure_layer_bytes(model.layers, x, y, optimizer_states=states)
+    cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else plan.memory_cap
+    program = compile_plan(plan, layer_bytes=sizes)
+    stats = validate_program(program, cap_bytes=cap if sizes else None)
+    out = program.save(args.output)
+    for r, n in enumerate(stats.instructions):
+        peak = f", peak {fmt_bytes(stats.peak_bytes[r])}" if stats.peak_bytes else ""
+        print(f"rank {r}: {n} instructions{peak}")
+    for note in program.notes:
+        print(f"note: {note}")
+    print(f"wrote {out}")
+
+
+def _run(args):
+    from ..train import train
+
+    if args.steps < 0:
+        raise UsageError(f"--steps must be >= 0, got {args.steps}")
+    if args.resume and not args.checkpoint:
+        raise UsageError("--resume needs --checkpoint DIR")
+    plan = Plan.load(args.plan)
+    model = _model(args.model)
+    cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else None
+    res = train(model, plan, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
+                checkpoint_dir=Path(args.checkpoint) if args.checkpoint else None,
+                checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, memory_cap=cap,
+                progress=not args.no_progress, seed=args.seed)
+    ran = res.steps - res.start_step
+    if ran == 0:
+        print(f"nothing to do: the checkpoint is at step {res.start_step} of {res.steps}")
+        return
+    peak = ", ".join(fmt_bytes(b) for b in res.peak_device_bytes)
+    print(f"{args.model}: steps {res.start_step}..{res.steps - 1}, loss {res.losses[res.start_step]:.4f} -> "
+          f"{res.losses[-1]:.4f}, {res.samples_per_s:.1f} samples/s, peak device memory per rank {peak}")
+    for note in res.program.notes:
+        print(f"note: {note}")

@@ -1,0 +1,470 @@
+"""Compile a Plan into a Program: per rank, the instruction list of one iteration.
+
+::
+
+    program = compile_plan(plan)                                  # no byte sizes
+    program = compile_plan(plan, layer_bytes=LayerBytes.from_profile(profile, u))
+    validate_program(program, cap_bytes=plan.memory_cap)
+
+The lowering is a chain of pure passes:
+
+1. :func:`build_tasks`: Harmony's task order and placement (HARMONY_REFERENCE.md 5):
+   forward packs ascending, then backward packs from the last to the first, each
+   followed by its update. vPP deals the k-th forward task to rank ``k mod N`` and the
+   k-th backward task to ``(nF + k) mod N``; vDP gives every rank a copy of every task.
+2. :func:`stash_modes`: which backward packs keep their forward's autograd graph
+   (``recompute=False``) instead of recomputing, where the runtime can do so exactly.
+3. :func:`lower`: each task becomes instructions (the event expansion of 6.3, with
+   prefetch): weights and buffers swapped in before a pack, the next pack's weights
+   prefetched while the current one computes its last microbatches, each microbatch's
+   input fetched one microbatch ahead (double buffering), the input of every backward
+   pack stashed to host during the forward, activations and gradients passed between
+   packs through host memory on the same rank or by send/receive across ranks, and,
+   after each backward pack, dW swapped out and the pack's optimizer step on the CPU
+   (or, with ``optimizer="gpu"``, state swapped in and the step on the device).
+   Wherever producer and consumer microbatches differ (u_fwd != u_bwd), the tensor
+   goes through host memory, where a microbatch is just a row range, so re-batching
+   costs nothing extra.
+4. :func:`add_waits`: ids, and every instruction's ``waits_on`` derived from what it
+   reads and writes (:func:`harmony_opt.program.effects`), leaving out what the order
+   of its own stream already implies.
+5. :func:`add_bytes`: byte sizes, when layer sizes are known.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import defaultdict
+
+from .errors import PlanError
+from .plan import Plan
+from .program import (CHANNELS, Effects, Instr, Kind, LayerBytes, Program, Stream, Tensor, effects, plan_identity)
+
+I, O, S, R, F, C, B, U, A, D = (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV, Kind.FWD, Kind.REC, Kind.BWD,
+                                Kind.UPD, Kind.ALL_REDUCE, Kind.FREE)
+Rows = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A FWD or BWD task of Harmony's task graph (the UPD is lowered with its BWD)."""
+
+    kind: str                   # "F" or "B"
+    order: int                  # position in the task order of its copy
+    pack: tuple[int, int]
+    rank: int
+    bwd: int | None = None      # index into plan.packs_bwd
+
+
+def build_tasks(plan: Plan) -> list[list[Task]]:
+    """Harmony's order and placement: one task list for vPP, one per rank (all on that rank) for vDP."""
+    nF, N = len(plan.packs_fwd), plan.gpus
+
+    def copy(rank_of_f, rank_of_b):
+        fwd = [Task("F", i, p, rank_of_f(i)) for i, p in enumerate(plan.packs_fwd)]
+        bwd = [Task("B", nF + k, plan.packs_bwd[j], rank_of_b(k), j)
+               for k, j in enumerate(reversed(range(len(plan.packs_bwd))))]
+        return fwd + bwd
+
+    if plan.mode == "vPP":
+        return [copy(lambda i: i % N, lambda k: (nF + k) % N)]
+    return [copy(lambda i, n=n: n, lambda k, n=n: n) for n in range(N)]
+
+
+def microbatch_rows(plan: Plan, phase: str, rank: int) -> tuple[Rows, ...]:
+    """(first sample, size) of each microbatch of a phase on a rank."""
+    out, first = [], 0
+    for u in plan.microbatches(phase, rank):
+        out.append((first, u))
+        first += u
+    return tuple(out)
+
+
+def stash_modes(plan: Plan, tasks: list[Task]) -> tuple[tuple[bool, ...], tuple[str, ...]]:
+    """Per backward pack: keep the forward's autograd graph (True) or recompute (False).
+
+    A pack with ``recompute=False`` keeps its graph when its layers run inside one forward
+    pack on the rank of its backward pack: the graph (with its saved tensors in host
+    memory) then lives in that rank's process. Otherwise it recomputes, which gives the
+    same numbers, and a note says so. The loss pack always runs its forward as its
+    recompute.
+    """
+    fwd = [t for t in tasks if t.kind == "F"]
+    bwd_rank = {t.bwd: t.rank for t in tasks if t.kind == "B"}
+    modes, notes = [], []
+    last = len(plan.packs_bwd) - 1
+    for j, (a, b) in enumerate(plan.packs_bwd):
+        if plan.options[j].recompute or j == last:
+            modes.append(False)
+            continue
+        host = next(t for t in fwd if t.pack[0] <= a <= t.pack[1])
+        ok = host.pack[1] >= b and host.rank == bwd_rank[j]
+        modes.append(ok)
+        if not ok:
+            why = ("its layers span several forward packs" if host.pack[1] < b else
+                   f"its forward pack {list(host.pack)} runs on rank {host.rank}, its backward on rank {bwd_rank[j]}")
+            notes.append(f"backward pack {j} {[a, b]}: recompute off needs the pack's forward inside one forward "
+                         f"pack on the rank of its backward, but {why}; it recomputes instead")
+    return tuple(modes), tuple(notes)
+
+
+def _ins(kind: Kind, tensor: Tensor | None, layers: tuple[int, int], stream: Stream, rows: Rows | None = None,
+         mb: int | None = None, peer: int | None = None, tag: int | None = None) -> Instr:
+    off, size = rows if rows else (None, None)
+    return Instr(id=-1, kind=kind, layers=layers, stream=stream, tensor=tensor, mb=mb, offset=off, size=size,
+                 peer=peer, tag=tag)
+
+
+def _stream(kind: Kind) -> Stream:
+    return {I: Stream.SWAP_IN, O: Stream.SWAP_OUT, S: Stream.P2P, R: Stream.P2P}.get(kind, Stream.COMPUTE)
+
+
+def _move(kind: Kind, tensor: Tensor, layer: int, rows: Rows, mb: int, peer=None, tag=None) -> Instr:
+    return _ins(kind, tensor, (layer, layer), _stream(kind), rows, mb, peer, tag)
+
+
+def _free(tensor: Tensor, layers: tuple[int, int], rows: Rows | None = None, mb: int | None = None) -> Instr:
+    return _ins(D, tensor, layers, Stream.COMPUTE, rows, mb)
+
+
+class _Lowering:
+    """Builds the per-rank drafts of one Program; used only inside :func:`lower`."""
+
+    def __init__(self, plan: Plan, modes: tuple[bool, ...]):
+        self.plan, self.modes = plan, modes
+        self.R = plan.num_layers
+        self.out: dict[int, list[Instr]] = defaultdict(list)
+        self.tags: dict[tuple, int] = {}
+        self.counter = itertools.count()
+        self.all_reduce = plan.mode == "vDP" and plan.gpus > 1
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def emit(self, rank: int, *ins: Instr) -> None:
+        self.out[rank].extend(ins)
+
+    def send(self, rank: int, tensor: Tensor, layer: int, rows: Rows, mb: int, dst: int) -> Instr:
+        tag = next(self.counter)
+        self.tags[(CHANNELS[tensor], layer, rows, rank, dst)] = tag
+        return _move(S, tensor, layer, rows, mb, dst, tag)
+
+    def recv(self, rank: int, tensor: Tensor, layer: int, rows: Rows, mb: int, src: int) -> Instr:
+        tag = self.tags[(CHANNELS[tensor], layer, rows, src, rank)]
+        return _move(R, tensor, layer, rows, mb, src, tag)
+
+    def rows_f(self, rank: int) -> tuple[Rows, ...]:
+        return microbatch_rows(self.plan, "FWD", rank)
+
+    def rows_b(self, rank: int, j: int) -> tuple[Rows, ...]:
+        """A backward pack's microbatches: the forward's when it keeps the forward's graph."""
+        return microbatch_rows(self.plan, "FWD" if self.modes[j] else "BWD", rank)
+
+    def shared(self, t: Task, other: Task | None) -> set[int]:
+        """Layers of ``t`` that ``other`` (the neighbouring task on its rank) also runs."""
+        if other is None:
+            return set()
+        return set(range(t.pack[0], t.pack[1] + 1)) & set(range(other.pack[0], other.pack[1] + 1))
+
+    def weights_in(self, t: Task) -> list[Instr]:
+        """Swap in W and B of ``t``'s layers, except those the previous task on the rank left there."""
+        keep = self.shared(t, self.prev_on_rank[t.order])
+        return [_ins(I, x, p, Stream.SWAP_IN) for p in _ranges(t.pack, keep) for x in (Tensor.W, Tensor.B)]
+
+    def weights_out(self, t: Task) -> list[Instr]:
+        """Free W and B of ``t``'s layers, except those the next task on the rank runs too (JIT pinning)."""
+        keep = self.shared(t, self.next_on_rank[t.order])
+        return [_free(x, p) for p in _ranges(t.pack, keep) for x in (Tensor.W, Tensor.B)]
+
+    # -- one copy of the task list -----------------------------------------------------------------
+    def run(self, tasks: list[Task]) -> None:
+        self.tasks = tasks
+        self.fwd = [t for t in tasks if t.kind == "F"]
+        self.bwd = {t.bwd: t for t in tasks if t.kind == "B"}
+        self.nB = len(self.plan.packs_bwd)
+        by_rank = defaultdict(list)
+        for t in tasks:
+            by_rank[t.rank].append(t)
+        self.next_on_rank = {t.order: (lst[k + 1] if k + 1 < len(lst) else None)
+                             for lst in by_rank.values() for k, t in enumerate(lst)}
+        self.prev_on_rank = {t.order: (lst[k - 1] if k > 0 else None)
+                             for lst in by_rank.values() for k, t in enumerate(lst)}
+        self.prefetched: set[int] = set()
+        self.stash_plan = self._stash_sources()
+        for t in tasks:
+            if t.order not in self.prefetched:
+                self.emit(t.rank, *self.weights_in(t))
+            (self._fwd if t.kind == "F" else self._bwd)(t)
+
+    def _prefetch_next(self, t: Task) -> None:
+        nxt = self.next_on_rank[t.order]
+        if nxt is not None and self.plan.prefetch:
+            self.emit(t.rank, *self.weights_in(nxt))
+            self.prefetched.add(nxt.order)
+
+    def _stash_sources(self) -> dict:
+        """Per stash layer: (fwd task order, "in" | "out", destination rank) of the stash swap-out or send.
+
+        The stash of backward pack j is the input of its first layer a_j. It is swapped out
+        on the rank of pack j by whichever forward task holds X(a_j) there: the one that
+        consumes it, or the one that produced it as its output; failing both, the consuming
+        task sends it to that rank, which swaps it out.
+        """
+        plan_ = {}
+        for j in range(self.nB - 1):
+            a = self.plan.packs_bwd[j][0]
+            if self.modes[j] or a == 0:
+                continue
+            rb = self.bwd[j].rank
+            cons = next(t for t in self.fwd if t.pack[0] <= a <= t.pack[1])
+            if cons.rank != rb and cons.pack[0] == a and cons.order > 0 and self.fwd[cons.order - 1].rank == rb:
+                plan_[a] = (cons.order - 1, "out", rb)
+            else:
+                plan_[a] = (cons.order, "in", rb)
+        return plan_
+
+    def _subpacks(self, t: Task) -> list[tuple[int, int, bool]]:
+        """Cut a forward pack at every stashed layer and around every pack that keeps its graph."""
+        a, b = t.pack
+        cuts = {a}
+        for layer, (order, side, _) in self.stash_plan.items():
+            if side == "in" and order == t.order:
+                cuts.add(layer)
+        keep = set()
+        for j, (x, y) in enumerate(self.plan.packs_bwd):
+            if self.modes[j] and a <= x and y <= b:
+                cuts |= {x, y + 1}
+                keep.add((x, y))
+        cuts = sorted(c for c in cuts if a <= c <= b)
+        bounds = cuts + [b + 1]
+        return [(c, e - 1, (c, e - 1) in keep) for c, e in zip(bounds, bounds[1:])]
+
+    def _stash(self, t: Task, layer: int, rows: Rows, mb: int) -> None:
+        _, _, rb = self.stash_plan[layer]
+        if rb == t.rank:
+            self.emit(t.rank, _move(O, Tensor.SX, layer, rows, mb))
+            return
+        self.emit(t.rank, self.send(t.rank, Tensor.SX, layer, rows, mb, rb))
+        self.emit(rb, self.recv(rb, Tensor.SX, layer, rows, mb, t.rank), _move(O, Tensor.SX, layer, rows, mb),
+                  _free(Tensor.X, (layer, layer), rows, mb))
+
+    # -- forward task ------------------------------------------------------------------------------
+    def _fwd(self, t: Task) -> None:
+        r, (a, b) = t.rank, t.pack
+        rows = self.rows_f(r)
+        prev = self.fwd[t.order - 1] if t.order > 0 else None
+        nxt = self.fwd[t.order + 1] if t.order + 1 < len(self.fwd) else self.bwd[self.nB - 1]
+        subs = self._subpacks(t)
+        out_stash = self.stash_plan.get(b + 1)
+
+        def fetch(i):
+            if a == 0 or prev.rank == r:
+                return [_move(I, Tensor.X, a, rows[i], i)]
+            return [self.recv(r, Tensor.X, a, rows[i], i, prev.rank)]
+
+        M = len(rows)
+        for i, ri in enumerate(rows):
+            self._ahead(t, i, M, fetch)
+            for c, d, keep in subs:
+                if self.stash_plan.get(c, (None, None))[:2] == (t.order, "in"):
+                    self._stash(t, c, ri, i)
+                self.emit(r, _ins(F, Tensor.SA if keep else None, (c, d), Stream.COMPUTE, ri, i),
+                          _free(Tensor.X, (c, c), ri, i))
+            if out_stash and out_stash[0] == t.order and out_stash[1] == "out":
+                self.emit(r, _move(O, Tensor.SX, b + 1, ri, i))
+            if nxt.rank == r:
+                self.emit(r, _move(O, Tensor.Y, b + 1, ri, i))
+            else:
+                self.emit(r, self.send(r, Tensor.Y, b + 1, ri, i, nxt.rank))
+            self.emit(r, _free(Tensor.Y, (b + 1, b + 1), ri, i))
+        self.emit(r, _ins(O, Tensor.B, t.pack, Stream.SWAP_OUT), *self.weights_out(t))
+
+    def _ahead(self, t: Task, i: int, M: int, fetch) -> None:
+        """Fetch microbatch 0 first, then each next one before computing the current (double
+        buffering); once the last input is on its way, prefetch the next task's weights."""
+        if i == 0:
+            self.emit(t.rank, *fetch(0))
+            if M == 1:
+                self._prefetch_next(t)
+        if i + 1 < M:
+            self.emit(t.rank, *fetch(i + 1))
+            if i + 1 == M - 1:
+                self._prefetch_next(t)
+
+    # -- backward task -----------------------------------------------------------------------------
+    def _rebatched(self, r: int, tensor: Tensor, layer: int, want: Rows, mb: int, src: int,
+                   src_rows: tuple[Rows, ...], done: list[int]) -> list[Instr]:
+        """Receive the producer's microbatches that ``want`` needs, park them in host rows, swap ``want`` in."""
+        out = []
+        end = want[0] + want[1]
+        while done[0] < len(src_rows) and src_rows[done[0]][0] < end:
+            k = done[0]
+            out += [self.recv(r, tensor, layer, src_rows[k], k, src), _move(O, tensor, layer, src_rows[k], k),
+                    _free(tensor if tensor is Tensor.DY else Tensor.X, (layer, layer), src_rows[k], k)]
+            done[0] += 1
+        return out + [_move(I, tensor, layer, want, mb)]
+
+    def _bwd(self, t: Task) -> None:
+        r, (a, b), j = t.rank, t.pack, t.bwd
+        crit, keep = j == self.nB - 1, self.modes[j]
+        rows = self.rows_b(r, j)
+        M = len(rows)
+        got_x, got_dy = [0], [0]
+
+        def fetch_input(k):
+            if keep:
+                return [_ins(I, Tensor.SA, t.pack, Stream.SWAP_IN, rows[k], k)]
+            if not crit:
+                return [_move(I, Tensor.SX, a, rows[k], k)]
+            out = []
+            prev = self.fwd[-1] if self.fwd else None
+            if a == 0 or prev.rank == r:
+                out.append(_move(I, Tensor.X, a, rows[k], k))
+            elif self.rows_f(prev.rank) == rows:
+                out.append(self.recv(r, Tensor.X, a, rows[k], k, prev.rank))
+            else:
+                out += self._rebatched(r, Tensor.X, a, rows[k], k, prev.rank, self.rows_f(prev.rank), got_x)
+            return out + [_move(I, Tensor.T, self.R - 1, rows[k], k)]
+
+        def fetch_dy(k):
+            if crit:
+                return []
+            prod = self.bwd[j + 1]
+            prod_rows = self.rows_b(prod.rank, j + 1)
+            if prod.rank == r:
+                return [_move(I, Tensor.DY, b + 1, rows[k], k)]
+            if prod_rows == rows:
+                return [self.recv(r, Tensor.DY, b + 1, rows[k], k, prod.rank)]
+            return self._rebatched(r, Tensor.DY, b + 1, rows[k], k, prod.rank, prod_rows, got_dy)
+
+        for k, rk in enumerate(rows):
+            self._ahead(t, k, M, lambda x: fetch_input(x) + fetch_dy(x))
+            if not keep:
+                self.emit(r, _ins(C, None, t.pack, Stream.COMPUTE, rk, k))
+            self.emit(r, _ins(B, Tensor.SA if keep else None, t.pack, Stream.COMPUTE, rk, k))
+            if a > 0:
+                cons = self.bwd[j - 1]
+                self.emit(r, _move(O, Tensor.DX, a, rk, k) if cons.rank == r
+                          else self.send(r, Tensor.DX, a, rk, k, cons.rank))
+            frees = [_free(Tensor.SA, t.pack, rk, k)]
+            if not keep:
+                frees.append(_free(Tensor.X if crit else Tensor.SX, (a, a), rk, k))
+            frees.append(_free(Tensor.T, (self.R - 1, self.R - 1), rk, k) if crit
+                         else _free(Tensor.DY, (b + 1, b + 1), rk, k))
+            if a > 0:
+                frees.append(_free(Tensor.DX, (a, a), rk, k))
+            self.emit(r, *frees)
+        self._finish_bwd(t)
+
+    def _finish_bwd(self, t: Task) -> None:
+        r, j = t.rank, t.bwd
+        if self.all_reduce:
+            self.emit(r, _ins(A, Tensor.DW, t.pack, Stream.COMPUTE))
+        if j == self.nB - 1:
+            self.emit(r, _ins(O, Tensor.B, t.pack, Stream.SWAP_OUT))
+        owner = j % self.plan.gpus if self.plan.mode == "vDP" else r
+        if owner == r:
+            if self.plan.options[j].optimizer == "cpu":
+                self.emit(r, _ins(O, Tensor.DW, t.pack, Stream.SWAP_OUT), _ins(U, None, t.pack, Stream.CPU))
+            else:
+                self.emit(r, _ins(I, Tensor.K, t.pack, Stream.SWAP_IN), _ins(U, None, t.pack, Stream.COMPUTE),
+                          _ins(O, Tensor.W, t.pack, Stream.SWAP_OUT), _ins(O, Tensor.K, t.pack, Stream.SWAP_OUT),
+                          _free(Tensor.K, t.pack))
+        self.emit(r, *self.weights_out(t), _free(Tensor.DW, t.pack))
+
+
+def _ranges(pack: tuple[int, int], exclude: set[int]) -> list[tuple[int, int]]:
+    """The maximal runs of ``pack``'s layers not in ``exclude``."""
+    runs, start = [], None
+    for l in range(pack[0], pack[1] + 2):
+        inside = l <= pack[1] and l not in exclude
+        if inside and start is None:
+            start = l
+        elif not inside and start is not None:
+            runs.append((start, l - 1))
+            start = None
+    return runs
+
+
+def lower(plan: Plan, copies: list[list[Task]], modes: tuple[bool, ...]) -> list[list[Instr]]:
+    """Drafts (no ids, no waits) of every rank's instructions, in issue order."""
+    lw = _Lowering(plan, modes)
+    for tasks in copies:
+        lw.run(tasks)
+    return [lw.out.get(r, []) for r in range(plan.gpus)]
+
+
+def _fifo(stream: Stream) -> bool:
+    """Streams that run in issue order on one rank (message channels are per peer, so not p2p)."""
+    return stream is not Stream.P2P
+
+
+def add_waits(drafts: list[Instr], num_layers: int) -> tuple[Instr, ...]:
+    """Number the instructions and derive ``waits_on`` from their effects.
+
+    An instruction waits for: the last writer of every device tensor it reads or changes;
+    every reader of a tensor it changes or frees; every writer of host rows it reads; every
+    reader of host rows it overwrites. Waits on an earlier instruction of the same (FIFO)
+    stream are left out: stream order implies them.
+    """
+    ins = [x.replace(id=i) for i, x in enumerate(drafts)]
+    writer, readers = {}, defaultdict(list)
+    host_w, host_r = defaultdict(list), defaultdict(list)
+    out = []
+    for i, x in enumerate(ins):
+        e: Effects = effects(x, num_layers)
+        deps = set()
+        for k in e.reads + e.updates + e.frees:
+            if k in writer:
+                deps.add(writer[k])
+        for k in e.updates + e.frees:
+            deps.update(readers.pop(k, []))
+        for k in e.reads:
+            readers[k].append(i)
+        for k in e.updates + e.allocs:
+            writer[k] = i
+        for k in e.frees:
+            writer.pop(k, None)
+        for buf, rows in e.host_reads:
+            deps.update(j for lo, n, j in host_w[buf] if _overlap(rows, lo, n))
+            host_r[buf].append((rows, i))
+        for buf, rows in e.host_writes:
+            deps.update(j for rr, j in host_r[buf] if _overlap(rows, *(rr or (None, None))))
+            host_w[buf].append((*(rows or (None, None)), i))
+        deps.discard(i)
+        waits = tuple(sorted(d for d in deps if not (_fifo(x.stream) and ins[d].stream is x.stream)))
+        out.append(x.replace(waits_on=waits))
+    return tuple(out)
+
+
+def _overlap(rows: Rows | None, lo: int | None, n: int | None) -> bool:
+    if rows is None or lo is None:
+        return True
+    return rows[0] < lo + n and lo < rows[0] + rows[1]
+
+
+def add_bytes(ins: tuple[Instr, ...], sizes: LayerBytes, num_layers: int) -> tuple[Instr, ...]:
+    """Bytes each instruction moves (transfers), allocates (compute) or releases (free)."""
+    out = []
+    for x in ins:
+        e = effects(x, num_layers)
+        keys = {O: e.reads, S: e.reads, A: e.updates, D: e.frees}.get(x.kind, e.allocs)
+        if x.kind is U:
+            keys = tuple(("W", l) for l in x.layer_range)
+        out.append(x.replace(bytes=sum(sizes.key_bytes(k) for k in keys)))
+    return tuple(out)
+
+
+def compile_plan(plan: Plan, *, layer_bytes: LayerBytes | None = None) -> Program:
+    """Lower ``plan`` to a Program (see the module docstring for the passes)."""
+    if layer_bytes is not None and layer_bytes.num_layers != plan.num_layers:
+        raise PlanError(f"layer bytes describe {layer_bytes.num_layers} layers but the plan has {plan.num_layers}")
+    copies = build_tasks(plan)
+    modes, notes = stash_modes(plan, copies[0])
+    drafts = lower(plan, copies, modes)
+    ranks = [add_waits(d, plan.num_layers) for d in drafts]
+    if layer_bytes is not None:
+        ranks = [add_bytes(x, layer_bytes, plan.num_layers) for x in ranks]
+    shares = plan.samples_per_gpu()
+    offsets = [0] * plan.gpus if plan.mode == "vPP" else list(itertools.accumulate([0] + shares[:-1]))
+    return Program(ranks=tuple(ranks), num_layers=plan.num_layers, mode=plan.mode, batch=plan.batch,
+                   samples=tuple(shares), sample_offsets=tuple(offsets), plan_identity=plan_identity(plan),
+                   layer_bytes=layer_bytes, notes=notes)

@@ -1,0 +1,824 @@
+"""The Program: per GPU rank, the ordered instruction list the runtime executes.
+
+A Program is what :func:`harmony_opt.compiler.compile_plan` lowers a Plan into and what
+``runtime.Executor`` runs, one iteration at a time. Each instruction names its kind, the
+layers it touches, its microbatch (index, first sample, size), the tensor it moves or
+makes, the stream it runs on, its bytes, the instructions it waits on (ids on the same
+rank) and, for a send or receive, the peer rank and the message tag::
+
+    12:IW[4-7]@i=1048576            swap in the weights of layers 4..7 on the swap-in stream
+    13:RX[4-4]#0(0+2)@p>0.3<9       receive the input of layer 4, microbatch 0 (samples 0..1), from rank 0
+    14:F[4-7]#0(0+2)@c<12,13        forward layers 4..7 on microbatch 0 once 12 and 13 are done
+    15:SY[8-8]#0(0+2)@p>1.4<14      send the output (the input of layer 8) to rank 1, tag 4
+
+Activations (X, Y, sX, dX, dY) are named by their *boundary*: the layer whose input
+they are, or whose input's gradient they are. ``str(instr)`` and
+:meth:`Instr.from_str` round-trip (one regex), and a Program is versioned JSON.
+
+What each instruction reads, allocates, updates and frees on the device, and which
+host buffers it reads and writes, is defined once, in :func:`effects`; the compiler
+derives ``waits_on`` from it, the validator checks programs against it and the
+executor keeps its device table by it, so the three cannot drift apart.
+
+:func:`validate_program` replays a Program without running it and raises
+:class:`~harmony_opt.errors.ProgramError` naming the instruction (and printing the
+schedule around it) when a tensor is used before it arrives, a send has no receive,
+the ranks deadlock (under both the GPU stream semantics and the in-order CPU
+semantics), or, with byte sizes known, memory would exceed a cap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections import Counter, defaultdict
+from enum import Enum
+from pathlib import Path
+
+from .errors import ProgramError
+
+PROGRAM_VERSION = 1
+
+
+class Kind(str, Enum):
+    """Instruction kinds; the values are the one-letter codes of the compact form."""
+
+    SWAP_IN = "I"       # host -> device
+    SWAP_OUT = "O"      # device -> host
+    SEND = "S"          # device -> peer rank (must be paired with its RECV)
+    RECV = "R"          # peer rank -> device
+    FWD = "F"           # forward of a sub-pack, no autograd (or, tensor sA, autograd with saved tensors to host)
+    REC = "C"           # recompute: forward with autograd, keeping the graph for BWD
+    BWD = "B"           # backward of a pack on one microbatch, accumulating dW
+    UPD = "U"           # optimizer step of a pack (stream cpu: on the host; stream compute: on the device)
+    ALL_REDUCE = "A"    # sum dW over all ranks (vDP)
+    FREE = "D"          # drop a device tensor
+
+
+class Tensor(str, Enum):
+    """Tensor kinds (Harmony's, plus sA for the saved activations of a stashing pack)."""
+
+    W = "W"             # weights
+    B = "B"             # buffers
+    X = "X"             # forward activation (input of the boundary layer)
+    Y = "Y"             # a pack's output = the next layer's input X
+    DX = "dX"           # gradient leaving a backward pack
+    DY = "dY"           # gradient entering a backward pack
+    DW = "dW"           # weight gradients
+    K = "K"             # optimizer state
+    T = "T"             # targets
+    SX = "sX"           # stashed input of a backward pack
+    SA = "sA"           # saved activations (autograd graph) of a pack's microbatch
+
+
+class Stream(str, Enum):
+    COMPUTE = "compute"
+    SWAP_IN = "swap_in"
+    SWAP_OUT = "swap_out"
+    P2P = "p2p"
+    CPU = "cpu"
+
+
+STREAM_CODES = {Stream.COMPUTE: "c", Stream.SWAP_IN: "i", Stream.SWAP_OUT: "o", Stream.P2P: "p", Stream.CPU: "u"}
+_CODE_STREAMS = {v: k for k, v in STREAM_CODES.items()}
+
+#: Which stream each kind may run on.
+ALLOWED_STREAMS = {
+    Kind.SWAP_IN: {Stream.SWAP_IN}, Kind.SWAP_OUT: {Stream.SWAP_OUT},
+    Kind.SEND: {Stream.P2P}, Kind.RECV: {Stream.P2P},
+    Kind.FWD: {Stream.COMPUTE}, Kind.REC: {Stream.COMPUTE}, Kind.BWD: {Stream.COMPUTE},
+    Kind.UPD: {Stream.CPU, Stream.COMPUTE}, Kind.ALL_REDUCE: {Stream.COMPUTE},
+    Kind.FREE: set(Stream),
+}
+
+#: Tensors whose instructions carry a microbatch (index, first sample, size).
+ROW_TENSORS = {Tensor.X, Tensor.Y, Tensor.DX, Tensor.DY, Tensor.T, Tensor.SX, Tensor.SA}
+#: Tensors each kind may move or make (None: no tensor field).
+ALLOWED_TENSORS = {
+    Kind.SWAP_IN: {Tensor.W, Tensor.B, Tensor.K, Tensor.X, Tensor.SX, Tensor.DY, Tensor.T, Tensor.SA},
+    Kind.SWAP_OUT: {Tensor.W, Tensor.B, Tensor.K, Tensor.DW, Tensor.X, Tensor.Y, Tensor.SX, Tensor.DX, Tensor.DY},
+    Kind.SEND: {Tensor.Y, Tensor.X, Tensor.SX, Tensor.DX},
+    Kind.RECV: {Tensor.X, Tensor.SX, Tensor.DY},
+    Kind.FWD: {None, Tensor.SA}, Kind.REC: {None}, Kind.BWD: {None, Tensor.SA},
+    Kind.UPD: {None}, Kind.ALL_REDUCE: {Tensor.DW},
+    Kind.FREE: set(Tensor),
+}
+#: Message channels: a send and its receive must pair up in the same order on each (src, dst, channel).
+CHANNELS = {Tensor.X: "act", Tensor.Y: "act", Tensor.SX: "stash", Tensor.DX: "grad", Tensor.DY: "grad"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Instr:
+    """One instruction of one rank. ``waits_on`` holds ids of earlier instructions of the same rank."""
+
+    id: int
+    kind: Kind
+    layers: tuple[int, int]
+    stream: Stream
+    tensor: Tensor | None = None
+    mb: int | None = None           # microbatch index within its task
+    offset: int | None = None       # first sample of the microbatch, within the rank's samples
+    size: int | None = None         # samples in the microbatch
+    bytes: int = 0                  # bytes moved (transfers) or allocated (compute); 0 when unknown
+    waits_on: tuple[int, ...] = ()
+    peer: int | None = None         # SEND/RECV: the other rank
+    tag: int | None = None          # SEND/RECV: the message, the same on both sides
+
+    @property
+    def rows(self) -> tuple[int, int] | None:
+        return None if self.offset is None else (self.offset, self.size)
+
+    @property
+    def layer_range(self) -> range:
+        return range(self.layers[0], self.layers[1] + 1)
+
+    def replace(self, **kw) -> "Instr":
+        return dataclasses.replace(self, **kw)
+
+    def __str__(self) -> str:
+        s = f"{self.id}:{self.kind.value}{self.tensor.value if self.tensor else ''}[{self.layers[0]}-{self.layers[1]}]"
+        if self.mb is not None:
+            s += f"#{self.mb}({self.offset}+{self.size})"
+        s += f"@{STREAM_CODES[self.stream]}"
+        if self.peer is not None:
+            s += f">{self.peer}.{self.tag}"
+        if self.bytes:
+            s += f"={self.bytes}"
+        if self.waits_on:
+            s += "<" + ",".join(map(str, self.waits_on))
+        return s
+
+    @classmethod
+    def from_str(cls, text: str) -> "Instr":
+        m = _INSTR_RE.match(text.strip())
+        if not m:
+            raise ProgramError(f"cannot read instruction {text!r}; expected e.g. 14:F[4-7]#0(0+2)@c<12,13")
+        g = m.groupdict()
+        opt = lambda k: None if g[k] is None else int(g[k])  # noqa: E731
+        return cls(id=int(g["id"]), kind=Kind(g["kind"]), layers=(int(g["a"]), int(g["b"])),
+                   stream=_CODE_STREAMS[g["stream"]], tensor=Tensor(g["tensor"]) if g["tensor"] else None,
+                   mb=opt("mb"), offset=opt("off"), size=opt("size"), bytes=opt("bytes") or 0,
+                   waits_on=tuple(int(x) for x in g["waits"].split(",")) if g["waits"] else (),
+                   peer=opt("peer"), tag=opt("tag"))
+
+    # -- JSON -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {"id": self.id, "kind": self.kind.value, "layers": list(self.layers), "stream": self.stream.value}
+        for k in ("mb", "offset", "size", "peer", "tag"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        if self.tensor is not None:
+            d["tensor"] = self.tensor.value
+        if self.bytes:
+            d["bytes"] = self.bytes
+        if self.waits_on:
+            d["waits_on"] = list(self.waits_on)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "Instr":
+        try:
+            layers = d["layers"]
+            if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
+                raise ProgramError(f"{where}: field layers must be [first, last], got {layers!r}")
+            ints = {k: d.get(k) for k in ("mb", "offset", "size", "peer", "tag")}
+            for k, v in ints.items():
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise ProgramError(f"{where}: field {k} must be a whole number >= 0, got {v!r}")
+            waits = d.get("waits_on", [])
+            if not isinstance(waits, list) or not all(isinstance(x, int) for x in waits):
+                raise ProgramError(f"{where}: field waits_on must be a list of instruction ids")
+            return cls(id=int(d["id"]), kind=Kind(d["kind"]), layers=(layers[0], layers[1]),
+                       stream=Stream(d["stream"]), tensor=Tensor(d["tensor"]) if d.get("tensor") else None,
+                       bytes=int(d.get("bytes", 0)), waits_on=tuple(waits), **ints)
+        except KeyError as e:
+            raise ProgramError(f"{where}: missing field {e.args[0]}") from None
+        except ValueError as e:
+            raise ProgramError(f"{where}: {e}") from None
+
+
+_INSTR_RE = re.compile(
+    r"^(?P<id>\d+):(?P<kind>[IOSRFCBUAD])(?P<tensor>dX|dY|dW|sX|sA|W|B|X|Y|K|T)?\[(?P<a>\d+)-(?P<b>\d+)\]"
+    r"(?:#(?P<mb>\d+)\((?P<off>\d+)\+(?P<size>\d+)\))?@(?P<stream>[ciopu])"
+    r"(?:>(?P<peer>\d+)\.(?P<tag>\d+))?(?:=(?P<bytes>\d+))?(?:<(?P<waits>\d+(?:,\d+)*))?$")
+
+
+# -- sizes --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LayerBytes:
+    """Byte sizes per layer, enough to price every device tensor of a Program.
+
+    ``input[l]``: bytes per sample of layer ``l``'s input (its gradient has the same
+    size); ``saved[l]``: bytes per sample autograd keeps for layer ``l``'s backward;
+    ``target``: bytes per sample of the targets.
+    """
+
+    weights: tuple[int, ...]
+    buffers: tuple[int, ...]
+    optimizer: tuple[int, ...]
+    input: tuple[float, ...]
+    saved: tuple[float, ...]
+    target: float = 0.0
+
+    def __post_init__(self):
+        n = len(self.weights)
+        if any(len(getattr(self, f)) != n for f in ("buffers", "optimizer", "input", "saved")):
+            raise ProgramError("layer bytes: every per-layer list must have one entry per layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weights)
+
+    @classmethod
+    def from_profile(cls, profile, u: int) -> "LayerBytes":
+        """Sizes from a Profile at microbatch ``u`` (per-sample activations scale linearly)."""
+        lay = profile.layers.sort_values("layer")
+        bwd = profile.costs("BWD", u)
+        return cls(weights=tuple(int(x) for x in lay["param_bytes"]),
+                   buffers=tuple(int(x) for x in lay["buffer_bytes"]),
+                   optimizer=tuple(int(x) for x in lay["optimizer_state_bytes"]),
+                   input=tuple(float(x) / u for x in profile.input_bytes_at(u)),
+                   saved=tuple(float(x) / u for x in bwd.saved[:profile.num_layers]))
+
+    def key_bytes(self, key: tuple) -> int:
+        """Bytes of one device tensor named by a key of :func:`effects`."""
+        kind = key[0]
+        if kind in ("W", "dW"):
+            return self.weights[key[1]]
+        if kind == "B":
+            return self.buffers[key[1]]
+        if kind == "K":
+            return self.optimizer[key[1]]
+        if kind in ("X", "sX", "dX", "dY"):
+            return int(self.input[key[1]] * key[3])
+        if kind == "T":
+            return int(self.target * key[2])
+        if kind == "G":
+            return int(sum(self.saved[key[1]:key[2] + 1]) * key[4])
+        raise ProgramError(f"unknown device tensor {key!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayerBytes":
+        try:
+            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        except TypeError as e:
+            raise ProgramError(f"layer_bytes: {e}") from None
+
+
+# -- effects: the one definition of what an instruction touches ----------------------------------
+
+Key = tuple
+HostRef = tuple  # (buffer, rows or None); buffer e.g. ("X", 4); rows (first, size)
+
+#: Host buffers that hold valid data when an iteration starts (data, targets, model state).
+INITIAL_HOST = {"W", "B", "K", "T", "data"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Effects:
+    reads: tuple[Key, ...] = ()
+    allocs: tuple[Key, ...] = ()
+    updates: tuple[Key, ...] = ()       # in-place writes of a live tensor
+    frees: tuple[Key, ...] = ()
+    host_reads: tuple[HostRef, ...] = ()
+    host_writes: tuple[HostRef, ...] = ()
+
+
+def _per_layer(kind: str, ins: Instr) -> tuple[Key, ...]:
+    return tuple((kind, l) for l in ins.layer_range)
+
+
+def _host_per_layer(kind: str, ins: Instr) -> tuple[HostRef, ...]:
+    return tuple(((kind, l), None) for l in ins.layer_range)
+
+
+def _act(kind: str, layer: int, ins: Instr) -> Key:
+    return (kind, layer, ins.offset, ins.size)
+
+
+def _host_act(kind: str, layer: int) -> tuple:
+    """Host buffer of an activation; layer 0's input is the data itself."""
+    return ("data",) if layer == 0 and kind in ("X", "sX") else (kind, layer)
+
+
+def effects(ins: Instr, num_layers: int) -> Effects:
+    """What ``ins`` reads, allocates, updates and frees on the device, and reads and writes on the host.
+
+    Device keys: ``(W|B|K|dW, layer)``, ``(X|sX|dX|dY, boundary, first, size)``,
+    ``(T, first, size)`` and ``(G, a, b, first, size)`` (a pack's autograd graph).
+    """
+    k, t, (a, b) = ins.kind, ins.tensor, ins.layers
+    rows = ins.rows
+    last = num_layers - 1
+    if k is Kind.SWAP_IN:
+        if t in (Tensor.W, Tensor.B, Tensor.K):
+            return Effects(allocs=_per_layer(t.value, ins), host_reads=_host_per_layer(t.value, ins))
+        if t is Tensor.T:
+            return Effects(allocs=(("T",) + rows,), host_reads=((("T",), rows),))
+        if t is Tensor.SA:
+            return Effects(allocs=(("G", a, b) + rows,), host_reads=((("sA", a), rows),))
+        if t is Tensor.DY:
+            return Effects(allocs=(_act("dY", a, ins),), host_reads=((("dX", a), rows),))
+        return Effects(allocs=(_act(t.value, a, ins),), host_reads=((_host_act(t.value, a), rows),))
+    if k is Kind.SWAP_OUT:
+        if t in (Tensor.W, Tensor.B, Tensor.K, Tensor.DW):
+            return Effects(reads=_per_layer(t.value, ins), host_writes=_host_per_layer(t.value, ins))
+        if t in (Tensor.DX, Tensor.DY):
+            return Effects(reads=(_act(t.value, a, ins),), host_writes=((("dX", a), rows),))
+        return Effects(reads=(_act("X", a, ins),), host_writes=(((("sX" if t is Tensor.SX else "X"), a), rows),))
+    if k is Kind.SEND:
+        return Effects(reads=(_act("dX" if t is Tensor.DX else "X", a, ins),))
+    if k is Kind.RECV:
+        return Effects(allocs=(_act("dY" if t is Tensor.DY else "X", a, ins),))
+    if k is Kind.FWD:
+        host = ((("sA", a), rows),) if t is Tensor.SA else ()
+        return Effects(reads=(_act("X", a, ins),) + _per_layer("W", ins), allocs=(_act("X", b + 1, ins),),
+                       updates=_per_layer("B", ins), host_writes=host)
+    if k is Kind.REC:
+        crit = b == last
+        reads = (_act("X" if crit else "sX", a, ins),) + _per_layer("W", ins) + ((("T",) + rows,) if crit else ())
+        return Effects(reads=reads, allocs=(("G", a, b) + rows,), updates=_per_layer("B", ins))
+    if k is Kind.BWD:
+        reads = (("G", a, b) + rows,) + _per_layer("W", ins) + ((_act("dY", b + 1, ins),) if b < last else ())
+        dx = (_act("dX", a, ins),) if a > 0 else ()
+        dw = _per_layer("dW", ins)
+        return Effects(reads=reads, allocs=dx + (dw if ins.mb == 0 else ()), updates=() if ins.mb == 0 else dw)
+    if k is Kind.ALL_REDUCE:
+        return Effects(updates=_per_layer("dW", ins))
+    if k is Kind.UPD:
+        if ins.stream is Stream.CPU:
+            return Effects(host_reads=_host_per_layer("dW", ins),
+                           host_writes=_host_per_layer("W", ins) + _host_per_layer("K", ins))
+        return Effects(reads=_per_layer("dW", ins), updates=_per_layer("W", ins) + _per_layer("K", ins))
+    if k is Kind.FREE:
+        if t in (Tensor.W, Tensor.B, Tensor.K, Tensor.DW):
+            return Effects(frees=_per_layer(t.value, ins))
+        if t is Tensor.SA:
+            return Effects(frees=(("G", a, b) + rows,))
+        if t is Tensor.T:
+            return Effects(frees=(("T",) + rows,))
+        return Effects(frees=(_act("X" if t is Tensor.Y else t.value, a, ins),))
+    raise ProgramError(f"instruction {ins}: unknown kind {k!r}")
+
+
+def channel(ins: Instr, rank: int) -> tuple[int, int, str]:
+    """The (source, destination, class) queue a SEND or RECV belongs to."""
+    src, dst = (rank, ins.peer) if ins.kind is Kind.SEND else (ins.peer, rank)
+    return (src, dst, CHANNELS[ins.tensor])
+
+
+# -- the Program ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Per rank (0..gpus-1) the instruction list of one training iteration."""
+
+    ranks: tuple[tuple[Instr, ...], ...]
+    num_layers: int
+    mode: str
+    batch: int                          # minibatch size (loss scaling divides by it)
+    samples: tuple[int, ...]            # samples each rank processes per iteration
+    sample_offsets: tuple[int, ...]     # each rank's first sample within the minibatch
+    plan_identity: str = ""
+    layer_bytes: LayerBytes | None = None
+    notes: tuple[str, ...] = ()
+    version: int = PROGRAM_VERSION
+
+    @property
+    def gpus(self) -> int:
+        return len(self.ranks)
+
+    def __str__(self) -> str:
+        return "\n".join(f"rank {r}: " + " ".join(map(str, ins)) for r, ins in enumerate(self.ranks))
+
+    def counts(self, rank: int | None = None) -> Counter:
+        """Instruction counts by compact code (``IW``, ``F``, ``SY``, ...), over one or all ranks."""
+        ranks = range(self.gpus) if rank is None else [rank]
+        return Counter(f"{i.kind.value}{i.tensor.value if i.tensor else ''}" for r in ranks for i in self.ranks[r])
+
+    # -- JSON -------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"version": self.version, "mode": self.mode, "num_layers": self.num_layers, "batch": self.batch,
+                "samples": list(self.samples), "sample_offsets": list(self.sample_offsets),
+                "plan_identity": self.plan_identity, "notes": list(self.notes),
+                "layer_bytes": self.layer_bytes.to_dict() if self.layer_bytes else None,
+                "ranks": [[i.to_dict() for i in ins] for ins in self.ranks]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        from .io import atomic_write_text
+        return atomic_write_text(path, self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "program") -> "Program":
+        if not isinstance(d, dict):
+            raise ProgramError(f"{source}: a program is a JSON object")
+        if d.get("version") != PROGRAM_VERSION:
+            raise ProgramError(f"{source}: field version {d.get('version')!r} is not supported "
+                               f"(this tool reads {PROGRAM_VERSION})")
+        try:
+            ranks = tuple(tuple(Instr.from_dict(x, f"{source}: ranks[{r}][{i}]") for i, x in enumerate(ins))
+                          for r, ins in enumerate(d["ranks"]))
+            lb = d.get("layer_bytes")
+            return cls(ranks=ranks, num_layers=int(d["num_layers"]), mode=str(d["mode"]), batch=int(d["batch"]),
+                       samples=tuple(d["samples"]), sample_offsets=tuple(d["sample_offsets"]),
+                       plan_identity=str(d.get("plan_identity", "")), notes=tuple(d.get("notes", ())),
+                       layer_bytes=LayerBytes.from_dict(lb) if lb else None)
+        except KeyError as e:
+            raise ProgramError(f"{source}: missing field {e.args[0]}") from None
+        except TypeError as e:
+            raise ProgramError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Program":
+        path = Path(path)
+        if not path.is_file():
+            raise ProgramError(f"program file {path} does not exist")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ProgramError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        return cls.from_dict(d, str(path))
+
+
+def plan_identity(plan) -> str:
+    """Hash of what fixes a Program: mode, GPUs, batch, microbatches, packs, options, layers."""
+    d = plan.to_dict()
+    core = {k: d[k] for k in ("mode", "gpus", "batch", "microbatch", "packs", "options", "num_layers", "prefetch")}
+    return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# -- validation -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ProgramStats:
+    """What the validator inferred: counts, peak device bytes (None when sizes are unknown), replay steps."""
+
+    instructions: tuple[int, ...]
+    counts: tuple[Counter, ...]
+    peak_bytes: tuple[int, ...] | None
+    bytes_moved: dict
+    replay_rounds: int
+
+
+def format_schedule(program: Program, rank: int, index: int, context: int = 6) -> str:
+    """The instructions of ``rank`` around ``index``, with ``<-- ERROR HERE`` on it."""
+    ins = program.ranks[rank]
+    lo, hi = max(0, index - context), min(len(ins), index + context + 1)
+    lines = [f"rank {rank}, instructions {lo}..{hi - 1} of {len(ins)}:"]
+    for i in range(lo, hi):
+        lines.append(f"  {i:5d}  {ins[i]}" + ("   <-- ERROR HERE" if i == index else ""))
+    return "\n".join(lines)
+
+
+def _fail(program: Program, rank: int, index: int, message: str):
+    raise ProgramError(f"rank {rank}: instruction {program.ranks[rank][index]}: {message}\n"
+                       + format_schedule(program, rank, index))
+
+
+def validate_program(program: Program, cap_bytes: int | None = None, sizes: LayerBytes | None = None) -> ProgramStats:
+    """Check a Program without running it; raise ProgramError naming the first bad instruction.
+
+    Checks, in order: structure (ids, streams, fields, ``waits_on`` pointing backwards);
+    messages (each SEND has one RECV with the same tag, peer and size, in the same
+    order on its channel; all-reduces line up across ranks); dataflow (every device
+    tensor is allocated before it is read and by an instruction the reader waits for,
+    directly, through other waits or through stream order; frees and in-place updates
+    come after every use; host rows are written before they are read); memory (with
+    ``sizes`` or the program's own layer bytes: live device bytes in issue order never
+    exceed ``cap_bytes``); and progress (a replay under GPU stream semantics, with
+    rendezvous sends and collective all-reduces, and under in-order CPU semantics,
+    must finish: otherwise the ranks deadlock).
+    """
+    sizes = sizes or program.layer_bytes
+    if sizes is not None and sizes.num_layers != program.num_layers:
+        raise ProgramError(f"layer bytes describe {sizes.num_layers} layers but the program has {program.num_layers}")
+    index = [_check_structure(program, r) for r in range(program.gpus)]
+    queues = [_queues(program, r) for r in range(program.gpus)]
+    partner = _check_messages(program)
+    for r in range(program.gpus):
+        _check_dataflow(program, r, index[r], queues[r])
+    peaks = tuple(_check_memory(program, r, sizes, cap_bytes) for r in range(program.gpus)) if sizes else None
+    rounds = _replay_streams(program, index, queues, partner)
+    _replay_in_order(program, index, partner)
+    moved = Counter()
+    for ins in program.ranks:
+        for i in ins:
+            if i.kind in (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND):
+                moved[i.stream.value] += i.bytes
+    return ProgramStats(instructions=tuple(len(x) for x in program.ranks),
+                        counts=tuple(program.counts(r) for r in range(program.gpus)),
+                        peak_bytes=peaks, bytes_moved=dict(moved), replay_rounds=rounds)
+
+
+def _check_structure(program: Program, r: int) -> dict[int, int]:
+    """Ids unique, waits pointing to earlier instructions, fields consistent; returns id -> index."""
+    pos: dict[int, int] = {}
+    R, S = program.num_layers, program.samples[r]
+    for i, ins in enumerate(program.ranks[r]):
+        if ins.id in pos:
+            _fail(program, r, i, f"id {ins.id} is used twice")
+        for w in ins.waits_on:
+            if w not in pos:
+                _fail(program, r, i, f"waits on {w}, which is not an earlier instruction of rank {r}")
+        pos[ins.id] = i
+        a, b = ins.layers
+        if not 0 <= a <= b < R:
+            _fail(program, r, i, f"layers [{a}, {b}] are outside the model's {R} layers")
+        if ins.kind is Kind.FWD and b >= R - 1:
+            _fail(program, r, i, "a forward sub-pack cannot contain the loss layer (it runs as the recompute)")
+        if ins.stream not in ALLOWED_STREAMS[ins.kind]:
+            _fail(program, r, i, f"{ins.kind.name} cannot run on stream {ins.stream.value}")
+        if ins.tensor not in ALLOWED_TENSORS[ins.kind]:
+            _fail(program, r, i, f"{ins.kind.name} cannot carry tensor {ins.tensor and ins.tensor.value}")
+        needs_rows = ins.kind in (Kind.FWD, Kind.REC, Kind.BWD) or ins.tensor in ROW_TENSORS
+        if needs_rows:
+            if ins.offset is None or ins.size is None or ins.mb is None:
+                _fail(program, r, i, "needs a microbatch (index, first sample, size)")
+            if ins.size < 1 or ins.offset + ins.size > S:
+                _fail(program, r, i, f"samples {ins.offset}..{ins.offset + ins.size - 1} are outside the rank's "
+                                     f"{S} samples")
+        if (ins.kind in (Kind.SEND, Kind.RECV)) != (ins.peer is not None and ins.tag is not None):
+            _fail(program, r, i, "a send or receive needs a peer and a tag; nothing else has them")
+        if ins.peer is not None and not (0 <= ins.peer < program.gpus and ins.peer != r):
+            _fail(program, r, i, f"peer {ins.peer} is not another rank of the {program.gpus}")
+    return pos
+
+
+def _queue_of(ins: Instr, r: int):
+    """The FIFO an instruction waits in: its stream, or for messages its channel."""
+    return ("p2p",) + channel(ins, r) if ins.kind in (Kind.SEND, Kind.RECV) else (ins.stream.value,)
+
+
+def _queues(program: Program, r: int) -> dict:
+    q = defaultdict(list)
+    for i, ins in enumerate(program.ranks[r]):
+        q[_queue_of(ins, r)].append(i)
+    return dict(q)
+
+
+def _check_messages(program: Program) -> dict:
+    """Pair every SEND with its RECV; returns (rank, index) -> (rank, index) both ways."""
+    sends, recvs = {}, {}
+    for r, ins in enumerate(program.ranks):
+        for i, x in enumerate(ins):
+            if x.kind in (Kind.SEND, Kind.RECV):
+                table = sends if x.kind is Kind.SEND else recvs
+                if x.tag in table:
+                    _fail(program, r, i, f"message tag {x.tag} is used by another {x.kind.name} too")
+                table[x.tag] = (r, i)
+    partner = {}
+    for tag, (r, i) in sends.items():
+        s = program.ranks[r][i]
+        if tag not in recvs:
+            _fail(program, r, i, f"send to rank {s.peer} (tag {tag}) has no matching receive")
+        q, j = recvs[tag]
+        v = program.ranks[q][j]
+        if q != s.peer or v.peer != r:
+            _fail(program, r, i, f"send to rank {s.peer} is received by rank {q} from rank {v.peer}")
+        if CHANNELS[s.tensor] != CHANNELS[v.tensor] or (s.tensor is Tensor.DX) != (v.tensor is Tensor.DY):
+            _fail(program, r, i, f"sends {s.tensor.value} but rank {q} receives {v.tensor.value}")
+        if (s.layers, s.size) != (v.layers, v.size):
+            _fail(program, r, i, f"sends layers {s.layers} x {s.size} samples but rank {q} receives "
+                                 f"{v.layers} x {v.size}")
+        partner[(r, i)], partner[(q, j)] = (q, j), (r, i)
+    for tag, (q, j) in recvs.items():
+        if tag not in sends:
+            _fail(program, q, j, f"receive from rank {program.ranks[q][j].peer} (tag {tag}) has no matching send")
+    order = defaultdict(list)
+    for r, ins in enumerate(program.ranks):
+        for i, x in enumerate(ins):
+            if x.kind in (Kind.SEND, Kind.RECV):
+                order[(x.kind, channel(x, r))].append((x.tag, r, i))
+    for (kind, ch), seq in order.items():
+        if kind is not Kind.SEND:
+            continue
+        got = order.get((Kind.RECV, ch), [])
+        for (ts, r, i), (tr, q, j) in zip(seq, got):
+            if ts != tr:
+                _fail(program, q, j, f"receives tag {tr} where rank {r} sends tag {ts} on channel {ch}: "
+                                     f"sends and receives must be in the same order")
+    reduces = [[x.layers for x in ins if x.kind is Kind.ALL_REDUCE] for ins in program.ranks]
+    for r, red in enumerate(reduces):
+        if red != reduces[0]:
+            idx = next(i for i, x in enumerate(program.ranks[r]) if x.kind is Kind.ALL_REDUCE) \
+                if red else max(len(program.ranks[r]) - 1, 0)
+            if not program.ranks[r]:
+                raise ProgramError(f"rank {r} has no instructions but rank 0 all-reduces {reduces[0]}")
+            _fail(program, r, idx, f"all-reduces {red} but rank 0 all-reduces {reduces[0]}: collectives must "
+                                   f"line up on every rank")
+    return partner
+
+
+def _ancestors(program: Program, r: int, pos: dict, queues: dict) -> list[int]:
+    """Happens-before per instruction as a bitset: waits_on plus the previous instruction of its queue."""
+    ins = program.ranks[r]
+    prev = {}
+    for q in queues.values():
+        for a, b in zip(q, q[1:]):
+            prev[b] = a
+    anc = [0] * len(ins)
+    for i, x in enumerate(ins):
+        deps = [pos[w] for w in x.waits_on] + ([prev[i]] if i in prev else [])
+        acc = 0
+        for d in deps:
+            acc |= anc[d] | (1 << d)
+        anc[i] = acc
+    return anc
+
+
+def _check_dataflow(program: Program, r: int, pos: dict, queues: dict) -> None:
+    """Device tensors exist before use and are ordered with every other use; host rows exist before read."""
+    anc = _ancestors(program, r, pos, queues)
+    R = program.num_layers
+    writer: dict = {}
+    readers: dict = defaultdict(list)
+    host_writes: dict = defaultdict(list)
+
+    def ordered(i, j, what):
+        if not anc[i] >> j & 1:
+            _fail(program, r, i, f"{what} {program.ranks[r][j]} without waiting for it (directly, through another "
+                                 f"wait or through stream order): it may run before that completes")
+
+    for i, x in enumerate(program.ranks[r]):
+        e = effects(x, R)
+        for k in e.reads + e.updates + e.frees:
+            if k not in writer:
+                verb = "frees" if k in e.frees else "uses"
+                _fail(program, r, i, f"{verb} device tensor {_key_str(k)} before it arrives (or after it was freed)")
+            ordered(i, writer[k], f"uses {_key_str(k)} made by")
+        for k in e.reads:
+            readers[k].append(i)
+        for k in e.updates + e.frees:
+            for j in readers[k]:
+                ordered(i, j, f"changes {_key_str(k)} still read by")
+            readers[k] = []
+        for k in e.updates:
+            writer[k] = i
+        for k in e.frees:
+            del writer[k]
+        for k in e.allocs:
+            if k in writer:
+                _fail(program, r, i, f"allocates device tensor {_key_str(k)}, which is already there "
+                                     f"(made by {program.ranks[r][writer[k]]})")
+            writer[k] = i
+        for buf, rows in e.host_reads:
+            if buf[0] in INITIAL_HOST:
+                continue
+            need = set(range(rows[0], rows[0] + rows[1])) if rows else {None}
+            for lo, n, j in host_writes[buf]:
+                if anc[i] >> j & 1:
+                    need -= set(range(lo, lo + n)) if lo is not None else {None}
+            if need:
+                missing = "it" if None in need else f"samples {min(need)}..{max(need)}"
+                _fail(program, r, i, f"reads host buffer {'/'.join(map(str, buf))} but {missing} "
+                                     f"were not written by an instruction it waits for")
+        for buf, rows in e.host_writes:
+            host_writes[buf].append((rows[0], rows[1], i) if rows else (None, None, i))
+
+
+def _key_str(k: Key) -> str:
+    if k[0] in ("W", "B", "K", "dW"):
+        return f"{k[0]}[{k[1]}]"
+    if k[0] == "G":
+        return f"sA[{k[1]}-{k[2]}]({k[3]}+{k[4]})"
+    if k[0] == "T":
+        return f"T({k[1]}+{k[2]})"
+    return f"{k[0]}[{k[1]}]({k[2]}+{k[3]})"
+
+
+def _check_memory(program: Program, r: int, sizes: LayerBytes, cap: int | None) -> int:
+    """Live device bytes in issue order (what the caching allocator sees); returns the peak."""
+    live, peak, held = 0, 0, {}
+    for i, x in enumerate(program.ranks[r]):
+        e = effects(x, program.num_layers)
+        for k in e.allocs:
+            held[k] = sizes.key_bytes(k)
+            live += held[k]
+        peak = max(peak, live)
+        if cap is not None and live > cap:
+            _fail(program, r, i, f"would hold {live} bytes on the device, over the cap of {cap} bytes")
+        for k in e.frees:
+            live -= held.pop(k, 0)
+    return peak
+
+
+def _replay_streams(program: Program, index: list[dict], queues: list[dict], partner: dict) -> int:
+    """Play the ranks under GPU semantics: FIFO streams and channels, events, rendezvous, collectives."""
+    done = [[False] * len(x) for x in program.ranks]
+    heads = [{q: 0 for q in qs} for qs in queues]
+    reduces = [[i for i, x in enumerate(ins) if x.kind is Kind.ALL_REDUCE] for ins in program.ranks]
+
+    def head(r, i):
+        q = _queue_of(program.ranks[r][i], r)
+        return queues[r][q][heads[r][q]] == i if heads[r][q] < len(queues[r][q]) else False
+
+    def ready(r, i):
+        return head(r, i) and all(done[r][index[r][w]] for w in program.ranks[r][i].waits_on)
+
+    def finish(r, i):
+        done[r][i] = True
+        heads[r][_queue_of(program.ranks[r][i], r)] += 1
+
+    remaining, rounds = sum(len(x) for x in program.ranks), 0
+    while remaining:
+        rounds += 1
+        progress = False
+        for r in range(program.gpus):
+            for q, items in queues[r].items():
+                while heads[r][q] < len(items):
+                    i = items[heads[r][q]]
+                    x = program.ranks[r][i]
+                    if not ready(r, i):
+                        break
+                    if x.kind in (Kind.SEND, Kind.RECV):
+                        pr, pi = partner[(r, i)]
+                        if not ready(pr, pi):
+                            break
+                        finish(pr, pi)
+                        remaining -= 1
+                    elif x.kind is Kind.ALL_REDUCE:
+                        k = reduces[r].index(i)
+                        if not all(ready(s, reduces[s][k]) for s in range(program.gpus)):
+                            break
+                        for s in range(program.gpus):
+                            if s != r:
+                                finish(s, reduces[s][k])
+                        remaining -= program.gpus - 1
+                    finish(r, i)
+                    remaining -= 1
+                    progress = True
+        if not progress:
+            _deadlock(program, done, "on the GPU streams")
+    return rounds
+
+
+def _replay_in_order(program: Program, index: list[dict], partner: dict) -> None:
+    """Play the ranks as the CPU executor runs them: one instruction at a time, in list order.
+
+    Sends and updates do not block; an instruction waits for its ``waits_on``, and a
+    receive is complete once its send has been issued; all-reduces block until every
+    rank reaches them.
+    """
+    issued = [[False] * len(x) for x in program.ranks]
+    cursor = [0] * program.gpus
+
+    def complete(r, i):
+        x = program.ranks[r][i]
+        if not issued[r][i]:
+            return False
+        if x.kind is Kind.RECV:
+            pr, pi = partner[(r, i)]
+            return issued[pr][pi]
+        return True
+
+    def can_issue(r):
+        i = cursor[r]
+        x = program.ranks[r][i]
+        return all(complete(r, index[r][w]) for w in x.waits_on)
+
+    total = sum(len(x) for x in program.ranks)
+    while sum(cursor) < total:
+        progress = False
+        for r in range(program.gpus):
+            while cursor[r] < len(program.ranks[r]) and can_issue(r):
+                x = program.ranks[r][cursor[r]]
+                if x.kind is Kind.ALL_REDUCE:
+                    k = sum(1 for y in program.ranks[r][:cursor[r]] if y.kind is Kind.ALL_REDUCE)
+                    peers = [_nth_reduce(program, s, k) for s in range(program.gpus)]
+                    if not all(p == cursor[s] and can_issue(s) for s, p in enumerate(peers)):
+                        break
+                    for s in range(program.gpus):
+                        issued[s][cursor[s]] = True
+                        cursor[s] += 1
+                    progress = True
+                    break
+                issued[r][cursor[r]] = True
+                cursor[r] += 1
+                progress = True
+        if not progress:
+            _deadlock(program, [[issued[r][i] for i in range(len(x))] for r, x in enumerate(program.ranks)],
+                      "when run in order (the CPU executor)")
+
+
+def _nth_reduce(program: Program, r: int, k: int) -> int:
+    return [i for i, x in enumerate(program.ranks[r]) if x.kind is Kind.ALL_REDUCE][k]
+
+
+def _deadlock(program: Program, done: list[list[bool]], how: str):
+    stuck = []
+    for r, d in enumerate(done):
+        first = next((i for i, ok in enumerate(d) if not ok), None)
+        if first is not None:
+            stuck.append((r, first))
+    detail = "; ".join(f"rank {r} stuck at {program.ranks[r][i]}" for r, i in stuck)
+    r, i = stuck[0]
+    raise ProgramError(f"the ranks deadlock {how}: {detail}\n" + "\n".join(
+        format_schedule(program, s, j, 3) for s, j in stuck))

@@ -1,0 +1,189 @@
+"""Training API: run a Plan on a model with real tensors.
+
+::
+
+    from harmony_opt.models import build_model
+    from harmony_opt.train import train
+
+    model = build_model("gpt2-tiny")
+    result = train(model, plan, steps=20, optimizer="adam", lr=1e-3, checkpoint_dir="ckpt")
+    result.losses, result.samples_per_s, result.weights[3]["block.attn.c_attn.weight"]
+
+The plan is compiled (:func:`harmony_opt.compiler.compile_plan`), validated, and run by
+the runtime executor, one process per GPU rank when the plan has more than one. The
+result equals plain single-device training of the same model on the same minibatches:
+each microbatch's loss is weighted by its share of the minibatch, so the gradients are
+those of the minibatch mean; only the order in which microbatch gradients are summed
+differs.
+
+Everything that can be wrong with the inputs is checked before the first step: the
+plan (or a given Program) against the model, every data batch's size against the plan's
+minibatch, one sample through every layer, a checkpoint against the plan and model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from .errors import DataError, PlanError, ProgramError, UsageError
+from .plan import Plan
+from .program import Program, plan_identity, validate_program
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass
+class TrainResult:
+    weights: list[dict[str, torch.Tensor]]      # state dict of every layer after the last step
+    losses: list[float]                         # minibatch loss of every step from step 0 (resumed runs too)
+    samples_per_s: float                        # over the steps this call ran
+    iteration_times: list[float]                # seconds per step this call ran (rank 0)
+    peak_device_bytes: list[int]                # per rank: the memory guard's peak of live device tensors
+    start_step: int
+    steps: int
+    program: Program
+
+
+def batch_seed(seed: int, step: int) -> int:
+    """The generator seed of step ``step``'s synthetic minibatch: independent of earlier steps, so
+    a resumed run draws the same minibatches as an uninterrupted one."""
+    return seed * 1_000_003 + step
+
+
+def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
+          optimizer: str | Callable | None = None, lr: float = 1e-3, steps: int = 10,
+          checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = False,
+          device: str = "cpu", memory_cap: int | None = None, progress: bool = True, seed: int = 0,
+          program: Program | None = None) -> TrainResult:
+    """Train ``model`` (a LayeredModel) for ``steps`` steps (counted from step 0) as ``plan`` says.
+
+    ``data`` yields ``(inputs, targets)`` minibatches of ``plan.batch`` samples from step 0
+    on (a resumed run skips those already done); without it, minibatches come from
+    ``model.make_batch`` with a generator seeded per step. ``optimizer`` is ``"adam"``,
+    ``"sgd"``, ``"adamw"`` or a picklable factory ``params -> torch.optim.Optimizer`` (e.g.
+    ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``); the default is the
+    model's ``meta["optimizer"]``. ``memory_cap`` (default: the plan's) bounds live device
+    bytes per rank. With ``checkpoint_dir``, a checkpoint is written atomically at the last
+    step and every ``checkpoint_every`` steps; ``resume=True`` continues from it.
+    """
+    from runtime.checkpoint import load_checkpoint, restore_layers
+    from runtime.optim import make_factory
+    from runtime.shapes import boundary_shapes
+    from runtime.worker import Job, run_job
+
+    layers = list(model.layers)
+    _check_plan(model, plan)
+    _check_device(device, plan.gpus)
+    program = _program(plan, layers, program)
+    if steps < 0:
+        raise UsageError(f"steps must be >= 0, got {steps}")
+    if resume and checkpoint_dir is None:
+        raise UsageError("resume needs a checkpoint folder")
+    state = load_checkpoint(checkpoint_dir, plan_identity=program.plan_identity, layers=layers) if resume else None
+    start = state["step"] if state else 0
+    factory = make_factory(optimizer or model.meta.get("optimizer", "adam"), lr)
+    batches = _batches(model, plan, data, start, steps, seed)
+    shapes = boundary_shapes(layers, *batches[0]) if batches else []
+    if state:
+        restore_layers(layers, state)
+    for layer in layers:
+        layer.train()
+    _place_host_state(layers, device, plan.gpus)
+    job = Job(program=program, layers=layers, batches=batches, start_step=start, factory=factory, shapes=shapes,
+              device=device, memory_cap=memory_cap if memory_cap is not None else plan.memory_cap, seed=seed,
+              progress=progress, optimizer_state=state["optimizer"] if state else None,
+              checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
+              plan=plan.to_dict(), losses_before=list(state["losses"]) if state else [])
+    results = run_job(job) if batches else []
+    times = results[0].iteration_times if results else []
+    return TrainResult(
+        weights=[{k: v.detach().clone() for k, v in layer.state_dict().items()} for layer in layers],
+        losses=results[0].losses if results else job.losses_before,
+        samples_per_s=plan.batch * len(times) / sum(times) if times else 0.0,
+        iteration_times=times, peak_device_bytes=[r.peak_bytes for r in results],
+        start_step=start, steps=max(steps, start), program=program)
+
+
+def _check_plan(model, plan: Plan) -> None:
+    if not isinstance(plan, Plan):
+        raise UsageError(f"plan must be a harmony_opt Plan, got {type(plan).__name__}")
+    if plan.num_layers != len(model.layers):
+        raise PlanError(f"the plan has {plan.num_layers} layers but model {model.name!r} has {len(model.layers)}; "
+                        f"the plan was made for another model (or another cut of it)")
+
+
+def _check_device(device: str, gpus: int) -> None:
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"device must be cpu or cuda, got {device!r}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("device cuda was asked for but CUDA is not available; use device cpu")
+        if torch.cuda.device_count() < gpus:
+            raise UsageError(f"the plan needs {gpus} GPUs but {torch.cuda.device_count()} are visible")
+
+
+def _program(plan: Plan, layers: list, program: Program | None) -> Program:
+    from .compiler import compile_plan
+
+    if program is None:
+        program = compile_plan(plan)
+    else:
+        ident = plan_identity(plan)
+        if program.plan_identity != ident:
+            raise ProgramError(f"the program was compiled from another plan (identity {program.plan_identity}, "
+                               f"this plan is {ident}); compile this plan")
+        if program.num_layers != len(layers):
+            raise ProgramError(f"the program has {program.num_layers} layers but the model has {len(layers)}")
+        if program.layer_bytes is not None:
+            for l, layer in enumerate(layers):
+                have = sum(p.numel() * p.element_size() for p in layer.parameters())
+                if have != program.layer_bytes.weights[l]:
+                    raise ProgramError(f"the program was compiled for a model whose layer {l} has "
+                                       f"{program.layer_bytes.weights[l]} weight bytes; this model's has {have}")
+    validate_program(program)
+    return program
+
+
+def _batches(model, plan: Plan, data, start: int, steps: int, seed: int) -> list[Batch]:
+    """The minibatches of steps ``start .. steps-1``, each checked against the plan's minibatch size."""
+    if data is None:
+        out = [model.make_batch(plan.batch, torch.Generator().manual_seed(batch_seed(seed, s)))
+               for s in range(start, steps)]
+    else:
+        out = list(itertools.islice(iter(data), start, steps))
+        if len(out) < steps - start:
+            raise DataError(f"the data has {start + len(out)} minibatches but {steps} steps were asked for")
+    first = None
+    for k, b in enumerate(out):
+        step = start + k
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(t, torch.Tensor) for t in b)):
+            raise DataError(f"data batch {step}: expected a pair (inputs, targets) of tensors, got {type(b).__name__}")
+        x, y = b
+        for what, t in (("inputs", x), ("targets", y)):
+            if t.dim() == 0 or t.shape[0] != plan.batch:
+                raise DataError(f"data batch {step}: {what} hold {t.shape[0] if t.dim() else 0} samples but the "
+                                f"plan's minibatch is {plan.batch}")
+        sig = (x.shape[1:], x.dtype, y.shape[1:], y.dtype)
+        if first is None:
+            first = sig
+        elif sig != first:
+            raise DataError(f"data batch {step}: samples of shape {tuple(x.shape[1:])} / {tuple(y.shape[1:])} "
+                            f"differ from batch {start}'s {tuple(first[0])} / {tuple(first[2])}")
+        out[k] = (x.detach().cpu(), y.detach().cpu())
+    return out
+
+
+def _place_host_state(layers: list, device: str, gpus: int) -> None:
+    """Master weights and buffers: shared memory across rank processes, pinned for a lone GPU."""
+    if gpus > 1:
+        for layer in layers:
+            layer.share_memory()
+    elif device == "cuda":
+        for layer in layers:
+            for t in list(layer.parameters()) + list(layer.buffers()):
+                if not t.is_pinned():
+                    t.data = t.data.pin_memory()

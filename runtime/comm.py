@@ -1,0 +1,61 @@
+"""Messages between ranks: torch.distributed point-to-point and all-reduce.
+
+Gloo (CPU) matches a receive to its send by tag, so one process group serves every
+message. NCCL ignores tags and runs all operations of one communicator in issue order
+on one stream, so a send blocked on its receive would block unrelated messages behind
+it; each message channel (source, destination, class: act, stash or grad) therefore
+gets its own two-rank group, and the compiler keeps sends and receives in the same
+order on each channel (``validate_program`` checks it). A separate Gloo group carries
+control traffic (losses, barriers, checkpoint gathering) whatever the data backend.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from harmony_opt.program import Kind, Program, channel
+
+
+def program_channels(program: Program) -> list[tuple[int, int, str]]:
+    """Every (src, dst, class) channel the program uses, in a fixed order (groups are created in it)."""
+    return sorted({channel(x, r) for r, ins in enumerate(program.ranks) for x in ins if x.kind is Kind.SEND})
+
+
+class Comm:
+    """The communication of one rank; ``None`` stands for it in single-rank runs."""
+
+    def __init__(self, rank: int, world: int, backend: str, program: Program, timeout_s: float = 300.0):
+        self.rank, self.world, self.backend = rank, world, backend
+        self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.groups = {}
+        if backend == "nccl":
+            for ch in program_channels(program):
+                self.groups[ch] = dist.new_group(ranks=sorted(ch[:2]))
+
+    def _group(self, src: int, dst: int, cls: str):
+        return self.groups.get((src, dst, cls))
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int, cls: str):
+        return dist.isend(t, dst=peer, tag=tag, group=self._group(self.rank, peer, cls))
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int, cls: str):
+        return dist.irecv(t, src=peer, tag=tag, group=self._group(peer, self.rank, cls))
+
+    def all_reduce(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            dist.all_reduce(t)
+
+    def sum_float(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, group=self.ctrl)
+        return float(t.item())
+
+    def gather_objects(self, obj) -> list | None:
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.ctrl)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.ctrl)

@@ -1,0 +1,485 @@
+"""Execute one rank's instructions of a Program with real tensors.
+
+::
+
+    ex = Executor(program, rank=0, layers=model.layers, optimizers=PackOptimizers(...),
+                  shapes=boundary_shapes(model.layers, x[:1]), device="cpu", memory_cap=None)
+    loss = ex.run_iteration(step, inputs, targets)
+
+One class per instruction kind would only repeat the Program's own types, so the
+dispatch table ``_HANDLERS`` maps each :class:`~harmony_opt.program.Kind` to a method;
+an unknown kind is an error. Each handler returns the device tensors it allocates,
+keyed as :func:`harmony_opt.program.effects` names them, and the executor's device
+table does the rest: it refuses a read of a tensor that is not there, and its memory
+guard stops the first instruction that would hold more live device bytes than the cap
+(:class:`~harmony_opt.errors.RuntimeMemoryError`, naming the instruction). Each
+instruction runs inside ``record_function("H:<instruction>")``, so a profiler trace
+shows the schedule.
+
+Streams (docs/runtime.md): on a GPU every instruction runs on its named CUDA stream
+(compute, swap_in, swap_out, p2p) after waiting on the CUDA events of the instructions
+in its ``waits_on``; receives are waited on through their ``Work``; the CPU stream's
+optimizer steps run on a worker thread, and an instruction that depends on one waits
+for its future. On the CPU every stream is the host itself and the instructions run in
+order, which is the same program with the overlap taken out.
+
+Weights, buffers and optimizer state stay on the host (the master copy); the device
+gets copies for as long as a pack runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.autograd.profiler import record_function
+from torch.func import functional_call
+
+from harmony_opt.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
+from harmony_opt.program import CHANNELS, Effects, Instr, Kind, Program, Stream, Tensor, effects, format_schedule
+
+from .buffers import HostBuffers
+from .graph import CountSaved, Offload, PackGraph
+from .optim import PackOptimizers
+
+
+def nbytes(value) -> int:
+    """Device bytes of a table entry: a tensor, a dict of them, or a pack graph."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, PackGraph):
+        return value.device_bytes
+    return 0
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, PackGraph) and value.saved is not None:
+        yield from (s.device for s in value.saved if s.device is not None)
+
+
+class DeviceTable:
+    """Live device tensors by key, with the memory guard."""
+
+    def __init__(self, rank: int, cap: int | None):
+        self.rank, self.cap = rank, cap
+        self.values: dict[tuple, object] = {}
+        self.sizes: dict[tuple, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def get(self, key: tuple, ins: Instr):
+        try:
+            return self.values[key]
+        except KeyError:
+            raise ProgramError(f"rank {self.rank}: instruction {ins} reads device tensor {key} which is not on the "
+                               f"device (used before it arrived, or after it was freed)") from None
+
+    def reserve(self, extra: int, ins: Instr) -> None:
+        """Fail before allocating when ``extra`` more bytes would exceed the cap."""
+        if self.cap is not None and self.live + extra > self.cap:
+            raise RuntimeMemoryError(
+                f"rank {self.rank}: instruction {ins} would hold {self.live + extra} bytes on the device, over the "
+                f"memory cap of {self.cap} bytes ({self.live} live before it)")
+
+    def put(self, key: tuple, value, ins: Instr) -> None:
+        if key in self.values:
+            raise ProgramError(f"rank {self.rank}: instruction {ins} allocates {key}, which is already on the device")
+        size = nbytes(value)
+        self.values[key], self.sizes[key] = value, size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        if self.cap is not None and self.live > self.cap:
+            raise RuntimeMemoryError(f"rank {self.rank}: instruction {ins} holds {self.live} bytes on the device "
+                                     f"after it ran, over the memory cap of {self.cap} bytes")
+
+    def resize(self, key: tuple) -> None:
+        """Re-measure an entry that grew or shrank in place."""
+        size = nbytes(self.values[key])
+        self.live += size - self.sizes[key]
+        self.sizes[key] = size
+        self.peak = max(self.peak, self.live)
+
+    def pop(self, key: tuple, ins: Instr):
+        if key not in self.values:
+            raise ProgramError(f"rank {self.rank}: instruction {ins} frees {key}, which is not on the device")
+        self.live -= self.sizes.pop(key)
+        return self.values.pop(key)
+
+
+class Streams:
+    """Named CUDA streams ordered by events; on the CPU, plain in-order execution."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.streams = {s: torch.cuda.Stream(device) for s in Stream if s is not Stream.CPU} if self.cuda else {}
+        self.events: dict[int, torch.cuda.Event] = {}
+
+    @contextlib.contextmanager
+    def on(self, ins: Instr):
+        """Run on the instruction's stream after the events of what it waits on. A free only
+        drops references (every use was recorded on its stream, so the allocator reuses the
+        memory only after those uses), so it neither waits nor records."""
+        if not self.cuda or ins.stream is Stream.CPU or ins.kind is Kind.FREE:
+            yield None
+            return
+        s = self.streams[ins.stream]
+        for w in ins.waits_on:
+            ev = self.events.get(w)
+            if ev is not None:
+                s.wait_event(ev)
+        with torch.cuda.stream(s):
+            yield s
+        if ins.kind not in (Kind.SEND, Kind.RECV):
+            ev = torch.cuda.Event()
+            ev.record(s)
+            self.events[ins.id] = ev
+
+    def finish(self, device: torch.device) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(device)
+        self.events.clear()
+
+
+def _stochastic(layer: nn.Module) -> bool:
+    """Whether a layer draws random numbers (dropout with p > 0): only then is its RNG forked."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in layer.modules())
+
+
+class Executor:
+    """Runs one rank's instruction list, one iteration per :meth:`run_iteration`."""
+
+    def __init__(self, program: Program, rank: int, layers: list[nn.Module], optimizers: PackOptimizers,
+                 shapes: list[tuple[tuple[int, ...], torch.dtype]], *, device: str | torch.device = "cpu",
+                 comm=None, memory_cap: int | None = None, seed: int = 0):
+        self.program, self.rank, self.layers = program, rank, layers
+        self.instrs = program.ranks[rank]
+        self.R = program.num_layers
+        self.device = torch.device(device)
+        self.optim, self.shapes, self.comm, self.seed = optimizers, shapes, comm, seed
+        self.table = DeviceTable(rank, memory_cap)
+        self.streams = Streams(self.device)
+        self.host = HostBuffers(program.samples[rank])
+        self.weights = [{n: p.detach() for n, p in layer.named_parameters()} for layer in layers]
+        self.trainable = [{n: p.requires_grad for n, p in layer.named_parameters()} for layer in layers]
+        self.buffers = [{n: b for n, b in layer.named_buffers()} for layer in layers]
+        self.stochastic = [_stochastic(layer) for layer in layers]
+        self.effects = [effects(x, self.R) for x in self.instrs]
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cpu-optimizer-{rank}")
+        self.kept: dict[tuple, PackGraph] = {}
+        self.step = 0
+        self._pending: dict[int, object] = {}
+        self._sends: list = []
+        self._loss = None
+        self.times: list[float] = []
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    # -- one iteration -----------------------------------------------------------------------------
+    def run_iteration(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Run every instruction once on this rank's share of ``(inputs, targets)``; returns the
+        rank's part of the minibatch loss (the loss rank's sum of scaled microbatch losses)."""
+        t0 = time.perf_counter()
+        self.step = step
+        lo, n = self.program.sample_offsets[self.rank], self.program.samples[self.rank]
+        self.host.stage(("data",), inputs[lo:lo + n])
+        self.host.stage(("T",), targets[lo:lo + n])
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, ins in enumerate(self.instrs):
+            self._execute(i, ins)
+        loss = self._finish()
+        self.times.append(time.perf_counter() - t0)
+        return loss
+
+    def _execute(self, i: int, ins: Instr) -> None:
+        e: Effects = self.effects[i]
+        try:
+            handler = _HANDLERS.get(ins.kind)
+            if handler is None:
+                raise ProgramError(f"rank {self.rank}: the executor does not understand instruction {ins}")
+            with self.streams.on(ins) as stream, record_function(f"H:{ins}"):
+                for w in ins.waits_on:
+                    self._wait(w)
+                made = handler(self, ins, e) or {}
+                if stream is not None:
+                    for k in e.reads + e.updates:
+                        for t in _tensors(self.table.values.get(k)):
+                            t.record_stream(stream)
+            for k in e.allocs:
+                self.table.put(k, made[k], ins)
+            for k in e.updates:
+                self.table.resize(k)
+            for k in e.frees:
+                self._release(self.table.pop(k, ins))
+        except HarmonyOptError as err:
+            raise type(err)(f"{err}\n{format_schedule(self.program, self.rank, i)}") from None
+        except Exception as err:
+            raise RuntimeError(f"rank {self.rank}: instruction {ins} failed: {type(err).__name__}: {err}\n"
+                               f"{format_schedule(self.program, self.rank, i)}") from err
+
+    def _wait(self, dep: int) -> None:
+        """Wait for a receive or a CPU update. On a GPU waiting on a receive makes the current
+        stream wait, so every consumer waits for itself; on the CPU a completed receive is done
+        for everyone (and Gloo's wait must not be repeated: it would wait for another message)."""
+        got = self._pending.get(dep) if self.streams.cuda else self._pending.pop(dep, None)
+        if isinstance(got, Future):
+            got.result()
+        elif got is not None:
+            got.wait()
+
+    def _finish(self) -> float:
+        for dep in list(self._pending):
+            self._wait(dep)
+        self._pending.clear()
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        self.streams.finish(self.device)
+        if self.table.values:
+            left = ", ".join(map(str, list(self.table.values)[:5]))
+            raise ProgramError(f"rank {self.rank}: the iteration ends with tensors still on the device ({left}); "
+                               f"the program does not free everything it allocates")
+        self.kept.clear()
+        return float(self._loss.item())
+
+    @staticmethod
+    def _release(value) -> None:
+        if isinstance(value, PackGraph):
+            value.release()
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, device=self.device).copy_(t, non_blocking=True)
+
+    def _state(self, layer: int, ins: Instr) -> dict:
+        return {**self.table.get(("W", layer), ins), **self.table.get(("B", layer), ins)}
+
+    @contextlib.contextmanager
+    def _rng(self, layer: int, ins: Instr):
+        """Dropout draws from a generator seeded by (seed, step, layer, samples), so a recompute
+        of the same samples replays the forward's masks exactly."""
+        if not self.stochastic[layer]:
+            yield
+            return
+        first = self.program.sample_offsets[self.rank] + ins.offset
+        digest = hashlib.sha256(f"{self.seed}/{self.step}/{layer}/{first}/{ins.size}".encode()).digest()
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+            torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            yield
+
+    def _chain(self, a: int, b: int, x: torch.Tensor, ins: Instr) -> torch.Tensor:
+        """Layers a..b (the loss layer excluded) on one microbatch."""
+        for layer in range(a, min(b, self.R - 2) + 1):
+            with self._rng(layer, ins):
+                x = functional_call(self.layers[layer], self._state(layer, ins), (x,))
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != ins.size:
+                raise ProgramError(f"layer {layer} ({type(self.layers[layer]).__name__}) returned "
+                                   f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))} for a microbatch of "
+                                   f"{ins.size}: layers must return one tensor with the batch as first dimension")
+        return x
+
+    def _leaves(self, a: int, b: int, ins: Instr) -> tuple[list[torch.Tensor], list[tuple[int, str]]]:
+        ws, names = [], []
+        for layer in range(a, b + 1):
+            for n, t in self.table.get(("W", layer), ins).items():
+                if self.trainable[layer][n]:
+                    ws.append(t)
+                    names.append((layer, n))
+        return ws, names
+
+    def _input_leaf(self, x: torch.Tensor, layer: int, copy: bool) -> torch.Tensor:
+        leaf = (x.detach().clone() if copy else x.detach())
+        return leaf.requires_grad_(layer > 0 and leaf.is_floating_point())
+
+    # -- handlers: IO ----------------------------------------------------------------------------------
+    def _swap_in(self, ins: Instr, e: Effects) -> dict:
+        """Roughly: ``device[key] = host[buffer][rows].to(device)``; weights and buffers per layer,
+        optimizer state from the pack's optimizer, a kept graph's saved activations back in."""
+        t = ins.tensor
+        if t in (Tensor.W, Tensor.B):
+            out = {}
+            for layer in ins.layer_range:
+                src = (self.weights if t is Tensor.W else self.buffers)[layer]
+                self.table.reserve(nbytes(src), ins)
+                dev = {n: self._to_device(h) for n, h in src.items()}
+                if t is Tensor.W:
+                    for n, d in dev.items():
+                        d.requires_grad_(self.trainable[layer][n])
+                out[(t.value, layer)] = dev
+            return out
+        if t is Tensor.K:
+            state = self.optim.state_to_device(ins.layers, self.device)
+            return {("K", layer): state[layer] for layer in ins.layer_range}
+        if t is Tensor.SA:
+            key = e.allocs[0]
+            graph = self.kept.pop(key[1:], None)
+            if graph is None:
+                raise ProgramError(f"rank {self.rank}: instruction {ins}: no graph was kept for layers "
+                                   f"{list(ins.layers)}, samples {ins.offset}+{ins.size} (its forward with tensor sA "
+                                   f"did not run)")
+            self.table.reserve(sum(nbytes(s.host) for s in graph.saved), ins)
+            graph.to_device(self.device)
+            return {key: graph}
+        (buf, _), = e.host_reads
+        src = self.host.get(buf)[ins.offset:ins.offset + ins.size]
+        self.table.reserve(nbytes(src), ins)
+        return {e.allocs[0]: self._to_device(src)}
+
+    def _swap_out(self, ins: Instr, e: Effects) -> None:
+        """Roughly: ``host[buffer][rows].copy_(device[key])``; dW into the optimizer's gradient
+        buffers, weights, buffers and state into the master copies."""
+        t = ins.tensor
+        if t is Tensor.DW:
+            for layer in ins.layer_range:
+                for n, g in self.table.get(("dW", layer), ins).items():
+                    self.optim.grad_buffer(layer, n).copy_(g, non_blocking=True)
+        elif t in (Tensor.W, Tensor.B):
+            for layer in ins.layer_range:
+                home = (self.weights if t is Tensor.W else self.buffers)[layer]
+                for n, d in self.table.get((t.value, layer), ins).items():
+                    home[n].copy_(d.detach(), non_blocking=True)
+        elif t is Tensor.K:
+            self.optim.state_to_host(ins.layers, {layer: self.table.get(("K", layer), ins)
+                                                  for layer in ins.layer_range})
+        else:
+            src = self.table.get(e.reads[0], ins)
+            (buf, _), = e.host_writes
+            self.host.for_rows(buf, src)[ins.offset:ins.offset + ins.size].copy_(src, non_blocking=True)
+
+    def _send(self, ins: Instr, e: Effects) -> None:
+        """Roughly: ``isend(device[key], peer, tag)``; the tensor is kept alive until the send completes."""
+        t = self.table.get(e.reads[0], ins)
+        self._sends.append((self.comm.isend(t, ins.peer, ins.tag, CHANNELS[ins.tensor]), t))
+
+    def _recv(self, ins: Instr, e: Effects) -> dict:
+        """Roughly: ``device[key] = irecv(empty(size, *shape of the layer's input), peer, tag)``;
+        consumers wait for it through ``waits_on``."""
+        tail, dtype = self.shapes[ins.layers[0]]
+        buf = torch.empty((ins.size,) + tuple(tail), dtype=dtype, device=self.device)
+        self.table.reserve(nbytes(buf), ins)
+        self._pending[ins.id] = self.comm.irecv(buf, ins.peer, ins.tag, CHANNELS[ins.tensor])
+        return {e.allocs[0]: buf}
+
+    def _free(self, ins: Instr, e: Effects) -> None:
+        """Roughly: ``del device[key]``. Weights also lose their storage at once: a kept graph
+        still references them as autograd leaves, for their shapes only."""
+        if ins.tensor is Tensor.W:
+            for layer in ins.layer_range:
+                for t in self.table.get(("W", layer), ins).values():
+                    t.untyped_storage().resize_(0)
+
+    # -- handlers: compute -------------------------------------------------------------------------------
+    def _forward(self, ins: Instr, e: Effects) -> dict:
+        """Roughly: ``device[X(b+1)] = layers[a..b](device[X(a)])`` without autograd; with tensor
+        sA, with autograd, keeping the graph and moving its saved tensors to the host."""
+        x = self.table.get(e.reads[0], ins)
+        a, b = ins.layers
+        if ins.tensor is not Tensor.SA:
+            with torch.no_grad():
+                return {e.allocs[0]: self._chain(a, b, x, ins)}
+        weights, names = self._leaves(a, b, ins)
+        hooks = Offload({w.untyped_storage().data_ptr(): n for w, n in zip(weights, names)})
+        leaf = self._input_leaf(x, a, copy=True)
+        with torch.enable_grad(), saved_tensors_hooks(hooks.pack, hooks.unpack):
+            y = self._chain(a, b, leaf, ins)
+        graph = PackGraph(y, [leaf] + weights, names, saved=hooks.saved)
+        hooks.graph = graph
+        if leaf.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+            leaf.untyped_storage().resize_(0)
+        self.kept[(a, b, ins.offset, ins.size)] = graph
+        return {e.allocs[0]: y.detach()}
+
+    def _recompute(self, ins: Instr, e: Effects) -> dict:
+        """Roughly: ``device[G] = graph of layers[a..b](device[sX(a)])``; the loss pack ends with
+        ``loss(out, targets) * size / batch``, so gradients are those of the minibatch mean."""
+        a, b = ins.layers
+        x = self.table.get(e.reads[0], ins)
+        weights, names = self._leaves(a, b, ins)
+        leaf = self._input_leaf(x, a, copy=False)
+        count = CountSaved({w.untyped_storage().data_ptr() for w in weights} | {x.untyped_storage().data_ptr()})
+        with torch.enable_grad(), saved_tensors_hooks(count.pack, count.unpack):
+            y = self._chain(a, b, leaf, ins)
+            if b == self.R - 1:
+                targets = self.table.get(("T", ins.offset, ins.size), ins)
+                loss = functional_call(self.layers[b], self._state(b, ins), (y, targets))
+                if loss.dim() != 0:
+                    raise ProgramError(f"the loss layer {b} ({type(self.layers[b]).__name__}) returned shape "
+                                       f"{tuple(loss.shape)}; it must return the mean loss as a scalar")
+                y = loss * (ins.size / self.program.batch)
+                self._loss += y.detach().double()
+        return {e.allocs[0]: PackGraph(y, [leaf] + weights, names, saved_bytes=count.bytes)}
+
+    def _backward(self, ins: Instr, e: Effects) -> dict:
+        """Roughly: ``dX, dW_mb = grad(G, [input, weights], dY)``; ``dW = dW_mb`` on the first
+        microbatch of the pack, ``dW += dW_mb`` after."""
+        a, b = ins.layers
+        graph: PackGraph = self.table.get(e.reads[0], ins)
+        if graph.saved is not None:
+            graph.weights = lambda layer, n: self.table.get(("W", layer), ins)[n]
+        dy = self.table.get(("dY", b + 1, ins.offset, ins.size), ins) if b < self.R - 1 else None
+        grads = graph.gradients(dy)
+        out = {}
+        if a > 0:
+            x = graph.inputs[0]
+            dx = grads[0]
+            out[("dX", a, ins.offset, ins.size)] = dx if dx is not None else torch.zeros(
+                x.shape, dtype=x.dtype if x.is_floating_point() else torch.float32, device=self.device)
+        first = ins.mb == 0
+        acc = {layer: ({} if first else self.table.get(("dW", layer), ins)) for layer in ins.layer_range}
+        for (layer, n), g, w in zip(graph.params, grads[1:], graph.inputs[1:]):
+            g = torch.zeros(w.shape, dtype=w.dtype, device=self.device) if g is None else g
+            if first:
+                acc[layer][n] = g
+            else:
+                acc[layer][n].add_(g)
+        if first:
+            out.update({("dW", layer): acc[layer] for layer in ins.layer_range})
+        return out
+
+    def _all_reduce(self, ins: Instr, e: Effects) -> None:
+        """Roughly: ``dW = sum over ranks of dW`` (vDP)."""
+        self.comm.all_reduce([g for layer in ins.layer_range for g in self.table.get(("dW", layer), ins).values()])
+
+    def _update(self, ins: Instr, e: Effects) -> None:
+        """Roughly: ``optimizer[pack].step()``: on the CPU worker thread over the host weights
+        (stream cpu), or on the device over the swapped-in weights and state (stream compute)."""
+        if ins.stream is Stream.CPU:
+            events = [self.streams.events[w] for w in ins.waits_on if w in self.streams.events]
+
+            def step():
+                for ev in events:
+                    ev.synchronize()
+                self.optim.step_host(ins.layers)
+
+            self._pending[ins.id] = self.pool.submit(step)
+            return
+        layers = ins.layer_range
+        self.optim.step_device(ins.layers, {l: self.table.get(("W", l), ins) for l in layers},
+                               {l: self.table.get(("dW", l), ins) for l in layers},
+                               {l: self.table.get(("K", l), ins) for l in layers})
+
+
+_HANDLERS = {
+    Kind.SWAP_IN: Executor._swap_in,
+    Kind.SWAP_OUT: Executor._swap_out,
+    Kind.SEND: Executor._send,
+    Kind.RECV: Executor._recv,
+    Kind.FREE: Executor._free,
+    Kind.FWD: Executor._forward,
+    Kind.REC: Executor._recompute,
+    Kind.BWD: Executor._backward,
+    Kind.ALL_REDUCE: Executor._all_reduce,
+    Kind.UPD: Executor._update,
+}

@@ -1,0 +1,134 @@
+"""Optimizers of the packs a rank updates: master weights, gradients and state on the host.
+
+Every pack that a rank updates gets its own ``torch.optim`` optimizer over the host
+(master) parameters of its layers. Splitting one optimizer into one per pack changes
+nothing numerically: SGD and Adam update each parameter from its own gradient and
+state. The step runs either on the host (``step_host``, called on the executor's CPU
+worker thread as soon as the pack's gradients are in host memory, while later packs
+still run their backward) or on the device (``step_device``: the pack's weights,
+gradients and optimizer state are on the device; the step runs there and the compiler
+swaps weights and state back out).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+
+from harmony_opt.errors import UsageError
+
+from .buffers import host_copy, host_empty
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def make_factory(optimizer: str | OptimizerFactory, lr: float) -> OptimizerFactory:
+    """An optimizer factory from a name (``adam``, ``sgd``, ``adamw``) or a callable ``params -> Optimizer``."""
+    if callable(optimizer):
+        return optimizer
+    name = str(optimizer).lower()
+    if name not in OPTIMIZERS:
+        raise UsageError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)} (or pass a factory "
+                         f"params -> torch.optim.Optimizer)")
+    return functools.partial(OPTIMIZERS[name], lr=lr)
+
+
+def pack_name(pack: tuple[int, int]) -> str:
+    return f"{pack[0]}-{pack[1]}"
+
+
+class PackOptimizers:
+    """One optimizer per pack over host parameters, plus the host gradient buffers dW is swapped into."""
+
+    def __init__(self, layers: list[nn.Module], packs: list[tuple[int, int]], factory: OptimizerFactory):
+        self.layers = layers
+        self.params: dict[tuple, list[tuple[int, str, nn.Parameter]]] = {}
+        self.opts: dict[tuple, torch.optim.Optimizer | None] = {}
+        self.grads: dict[tuple[int, str], torch.Tensor] = {}
+        for pack in packs:
+            ps = [(l, n, p) for l in range(pack[0], pack[1] + 1)
+                  for n, p in layers[l].named_parameters() if p.requires_grad]
+            self.params[pack] = ps
+            self.opts[pack] = factory([p for _, _, p in ps]) if ps else None
+            for l, n, p in ps:
+                self.grads[(l, n)] = host_empty(p.shape, p.dtype)
+
+    def grad_buffer(self, layer: int, name: str) -> torch.Tensor:
+        return self.grads[(layer, name)]
+
+    def _pack(self, layers: tuple[int, int]):
+        try:
+            return self.params[layers], self.opts[layers]
+        except KeyError:
+            raise UsageError(f"no optimizer for pack {pack_name(layers)} on this rank") from None
+
+    # -- on the host -------------------------------------------------------------------------------
+    def step_host(self, layers: tuple[int, int]) -> None:
+        """``opt.step()`` with each host parameter's gradient taken from its host buffer."""
+        ps, opt = self._pack(layers)
+        if opt is None:
+            return
+        for l, n, p in ps:
+            p.grad = self.grads[(l, n)]
+        opt.step()
+        for _, _, p in ps:
+            p.grad = None
+
+    # -- on the device -----------------------------------------------------------------------------
+    def state_to_device(self, layers: tuple[int, int], device: torch.device) -> dict:
+        """Device copies of the pack's per-parameter state tensors: {layer: {name: {key: tensor}}}."""
+        ps, opt = self._pack(layers)
+        out = {l: {} for l in range(layers[0], layers[1] + 1)}
+        for l, n, p in ps:
+            st = opt.state.get(p, {}) if opt else {}
+            out[l][n] = {k: torch.empty_like(v, device=device).copy_(v, non_blocking=True)
+                         for k, v in st.items() if _is_param_state(v, p)}
+        return out
+
+    def step_device(self, layers: tuple[int, int], weights: dict, grads: dict, state: dict) -> None:
+        """Run the pack's step on device tensors: weights[l][name] is updated in place, state[l][name] refreshed."""
+        ps, opt = self._pack(layers)
+        if opt is None:
+            return
+        homes = []
+        for l, n, p in ps:
+            homes.append(p.data)
+            p.data = weights[l][n].detach()
+            p.grad = grads[l][n]
+            opt.state[p].update(state[l][n])
+        try:
+            opt.step()
+        finally:
+            for (l, n, p), home in zip(ps, homes):
+                state[l][n] = {k: v for k, v in opt.state[p].items() if _is_param_state(v, p)}
+                p.data, p.grad = home, None
+
+    def state_to_host(self, layers: tuple[int, int], state: dict) -> None:
+        """Copy device state back into the optimizer's host state (allocated on first use)."""
+        ps, opt = self._pack(layers)
+        for l, n, p in ps:
+            st = opt.state[p]
+            for k, v in state[l][n].items():
+                home = st.get(k)
+                if home is None or home.device.type != "cpu" or home.shape != v.shape:
+                    st[k] = host_copy(v)
+                else:
+                    home.copy_(v, non_blocking=v.is_cuda)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dicts(self) -> dict[str, dict]:
+        return {pack_name(k): opt.state_dict() for k, opt in self.opts.items() if opt is not None}
+
+    def load_state_dicts(self, states: dict[str, dict]) -> None:
+        for k, opt in self.opts.items():
+            if opt is not None and pack_name(k) in states:
+                opt.load_state_dict(states[pack_name(k)])
+
+
+def _is_param_state(v, p: torch.Tensor) -> bool:
+    """State with the parameter's shape moves with it (Adam's moments); scalars such as ``step`` stay."""
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape

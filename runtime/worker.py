@@ -1,0 +1,203 @@
+"""One process per GPU rank: the training loop around the Executor, and the launcher.
+
+:func:`run_job` runs rank 0 in the calling process when the Program has one rank;
+otherwise it spawns one process per rank (``torch.multiprocessing``, spawn) joined by
+``torch.distributed`` (NCCL on GPUs, Gloo on the CPU). The master weights and buffers
+are in shared host memory (the caller moves them there), so every rank reads what the
+rank owning a pack's update wrote; each rank's optimizer state stays in its process,
+because a pack is always updated by the same rank. Between iterations every rank waits
+for its own updates and then for the others (the loss all-reduce), so no iteration
+reads weights that an update of the previous one is still writing.
+
+If a rank fails, the launcher stops the other ranks and raises the failing rank's
+error with its own type when it is one of harmony_opt's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+from harmony_opt import errors
+from harmony_opt.program import Kind, Program
+
+from .buffers import pin_in_place
+from .checkpoint import save_checkpoint
+from .comm import Comm
+from .executor import Executor
+from .optim import OptimizerFactory, PackOptimizers
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything a rank needs (picklable: it travels to spawned processes)."""
+
+    program: Program
+    layers: list[nn.Module]
+    batches: list[tuple[torch.Tensor, torch.Tensor]]    # one per step to run, from start_step on
+    start_step: int
+    factory: OptimizerFactory
+    shapes: list
+    device: str = "cpu"
+    memory_cap: int | None = None
+    seed: int = 0
+    progress: bool = True
+    optimizer_state: dict | None = None                 # pack name -> optimizer state_dict
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None                 # also always at the last step
+    plan: dict | None = None
+    losses_before: list[float] = dataclasses.field(default_factory=list)
+    timeout_s: float = 300.0
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    losses: list[float]
+    iteration_times: list[float]
+    peak_bytes: int
+    device_peak_bytes: int | None
+
+
+def updated_packs(program: Program, rank: int) -> list[tuple[int, int]]:
+    return [x.layers for x in program.ranks[rank] if x.kind is Kind.UPD]
+
+
+def run_rank(rank: int, job: Job, comm: Comm | None) -> RankResult:
+    """The training loop of one rank."""
+    device = torch.device(job.device if job.device != "cuda" else f"cuda:{rank}")
+    optim = PackOptimizers(job.layers, updated_packs(job.program, rank), job.factory)
+    if job.optimizer_state:
+        optim.load_state_dicts(job.optimizer_state)
+    ex = Executor(job.program, rank, job.layers, optim, job.shapes, device=device, comm=comm,
+                  memory_cap=job.memory_cap, seed=job.seed)
+    losses = list(job.losses_before)
+    total = job.start_step + len(job.batches)
+    bar = _progress(job, rank, total)
+    try:
+        for k, (x, y) in enumerate(job.batches):
+            step = job.start_step + k
+            part = ex.run_iteration(step, x, y)
+            losses.append(comm.sum_float(part) if comm else part)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", samples_s=f"{x.shape[0] / ex.times[-1]:.1f}")
+            if job.checkpoint_dir and (step + 1 == total or (job.checkpoint_every
+                                                              and (step + 1) % job.checkpoint_every == 0)):
+                _checkpoint(job, rank, comm, optim, step + 1, losses)
+    finally:
+        ex.close()
+        if bar is not None:
+            bar.close()
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak)
+
+
+def _progress(job: Job, rank: int, total: int):
+    if not job.progress or rank != 0:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=job.start_step, desc="train", unit="step")
+
+
+def _checkpoint(job: Job, rank: int, comm: Comm | None, optim: PackOptimizers, step: int, losses: list[float]):
+    states = comm.gather_objects(optim.state_dicts()) if comm else [optim.state_dicts()]
+    if rank == 0:
+        merged = {k: v for s in states for k, v in s.items()}
+        save_checkpoint(job.checkpoint_dir, step=step, layers=job.layers, optimizer=merged, losses=losses,
+                        plan_identity=job.program.plan_identity, plan=job.plan or {}, seed=job.seed)
+    if comm:
+        comm.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, job: Job, results) -> None:
+    """Entry point of a spawned rank: join the process group, train, report."""
+    import torch.distributed as dist
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        backend = "nccl" if job.device == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            for layer in job.layers:
+                for t in list(layer.parameters()) + list(layer.buffers()):
+                    pin_in_place(t)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=job.timeout_s))
+        try:
+            comm = Comm(rank, world, backend, job.program, job.timeout_s)
+            results.put(("ok", rank, run_rank(rank, job, comm)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # reported to the launcher, which re-raises it
+        results.put(("error", rank, type(e).__name__, str(e), traceback.format_exc()))
+
+
+#: Modules the fork server imports once, so that every later rank process starts warm.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "harmony_opt.program", "runtime.worker"]
+
+
+def _context():
+    """Processes come from a fork server that has imported torch and this package once (a clean,
+    single-threaded process: safe to fork, CUDA untouched), so each run skips the seconds a
+    freshly spawned interpreter spends importing them; spawn where there is no fork server."""
+    mp = torch.multiprocessing
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def run_job(job: Job) -> list[RankResult]:
+    """Run ``job`` on every rank of its Program; results ordered by rank."""
+    world = job.program.gpus
+    if world == 1:
+        return [run_rank(0, job, None)]
+    ctx = _context()
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results), name=f"harmony-opt-rank{r}")
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, RankResult] = {}
+    try:
+        while len(got) < world:
+            try:
+                msg = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise RuntimeError(f"rank process {dead[0].name} died with exit code {dead[0].exitcode}")
+                continue
+            if msg[0] == "error":
+                _, rank, name, text, tb = msg
+                cls = getattr(errors, name, None)
+                if isinstance(cls, type) and issubclass(cls, errors.HarmonyOptError):
+                    raise cls(f"rank {rank}: {text}")
+                raise RuntimeError(f"rank {rank} failed: {name}: {text}\n{tb}")
+            got[msg[1]] = msg[2]
+    finally:
+        deadline = time.monotonic() + 30
+        for p in procs:
+            if len(got) < world:
+                p.terminate()
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(world)]

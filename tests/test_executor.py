@@ -1,0 +1,192 @@
+"""Training through the executor equals plain single-device PyTorch training.
+
+The reference runs the whole minibatch at once (loss = mean over its samples) and one
+optimizer over all parameters; the executor runs microbatches, packs, swaps, sends and
+per-pack optimizers. Only the order in which microbatch gradients are summed differs,
+so every layer's weights agree to 1e-5 (relative Frobenius error) after 10 steps.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from harmony_opt.compiler import compile_plan
+from harmony_opt.decompose import ClassificationLoss, LayeredModel, run_layers
+from harmony_opt.errors import ProgramError, RuntimeMemoryError
+from harmony_opt.plan import PackOptions, Plan
+from harmony_opt.program import Kind, Program
+from harmony_opt.train import batch_seed, train
+
+STEPS = 10
+
+
+def _mlp_batch(batch: int, gen: torch.Generator):
+    return torch.randn(batch, 8, generator=gen), torch.randint(4, (batch,), generator=gen)
+
+
+def mlp(seed: int = 0, dropout: float = 0.0, norm: bool = False) -> LayeredModel:
+    """Six layers: four hidden (Linear, Tanh[, BatchNorm][, Dropout]), a head, the loss."""
+    torch.manual_seed(seed)
+
+    def hidden(i, o):
+        mods = [nn.Linear(i, o)] + ([nn.BatchNorm1d(o)] if norm else []) + [nn.Tanh()]
+        return nn.Sequential(*mods, *([nn.Dropout(dropout)] if dropout else []))
+    layers = [hidden(8, 16), hidden(16, 16), hidden(16, 16), hidden(16, 16), nn.Linear(16, 4), ClassificationLoss()]
+    return LayeredModel("mlp", layers, _mlp_batch, {"optimizer": "sgd"})
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2():
+    from harmony_opt.models import build_model
+    return build_model("gpt2-tiny")
+
+
+def gpt2() -> LayeredModel:
+    return copy.deepcopy(_gpt2())
+
+
+def plan(mode, gpus, batch, uf, ub, fwd, bwd, R, options=(), **kw) -> Plan:
+    return Plan(planner="test", mode=mode, gpus=gpus, batch=batch, microbatch_fwd=uf, microbatch_bwd=ub,
+                packs_fwd=fwd, packs_bwd=bwd, num_layers=R, options=options, allow_uneven=True, **kw)
+
+
+def reference(model: LayeredModel, batch: int, factory, steps: int = STEPS, seed: int = 0):
+    """Plain PyTorch: whole minibatch, one optimizer, same data."""
+    layers = model.layers
+    opt = factory([p for layer in layers for p in layer.parameters()])
+    for s in range(steps):
+        x, y = model.make_batch(batch, torch.Generator().manual_seed(batch_seed(seed, s)))
+        opt.zero_grad()
+        run_layers(layers, x, y).backward()
+        opt.step()
+    return [{k: v.detach().clone() for k, v in layer.state_dict().items()} for layer in layers]
+
+
+def layer_errors(got, want) -> list[float]:
+    """Relative Frobenius error of each layer's weights (layers without weights skipped)."""
+    out = []
+    for a, b in zip(got, want):
+        keys = [k for k in b if b[k].is_floating_point()]
+        if keys:
+            diff = torch.cat([(a[k] - b[k]).flatten() for k in keys])
+            out.append(float(diff.norm() / torch.cat([b[k].flatten() for k in keys]).norm()))
+    return out
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+ADAM = functools.partial(torch.optim.Adam, lr=1e-3)
+NO_RC = PackOptions(recompute=False)
+GPU_OPT = PackOptions(optimizer="gpu")
+
+CASES = {
+    # name: (model, plan, optimizer)
+    "mlp-vpp-recompute-sgd": ("mlp", plan("vPP", 1, 8, 4, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6), SGD),
+    "mlp-vpp-ufwd4-ubwd2-stash-adam": ("mlp", plan("vPP", 1, 8, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6,
+                                                   (NO_RC, NO_RC, NO_RC)), ADAM),
+    "mlp-vpp-mixed-gpu-optimizer-adam": ("mlp", plan("vPP", 1, 6, 3, 2, [(0, 2)], [(0, 0), (1, 2), (3, 5)], 6,
+                                                     (NO_RC, GPU_OPT, PackOptions())), ADAM),
+    "mlp-vdp-uneven-stash-sgd": ("mlp", plan("vDP", 1, 7, 3, 2, [(0, 3)], [(0, 1), (2, 3), (4, 5)], 6,
+                                             (NO_RC, NO_RC, GPU_OPT)), SGD),
+    "mlp-one-pack-no-prefetch-adam": ("mlp", plan("vPP", 1, 4, 2, 2, [], [(0, 5)], 6, prefetch=False), ADAM),
+    "gpt2-vpp-ufwd2-ubwd1-stash-adam": ("gpt2", plan("vPP", 1, 4, 2, 1, [(0, 2), (3, 4)],
+                                                     [(0, 2), (3, 4), (5, 7)], 8, (NO_RC, NO_RC, NO_RC)), ADAM),
+    "gpt2-vdp-recompute-sgd": ("gpt2", plan("vDP", 1, 4, 4, 2, [(0, 4)], [(0, 1), (2, 4), (5, 7)], 8), SGD),
+    # two ranks: one process each (kept few: starting processes is the slow part)
+    "mlp-vpp-2ranks-ufwd4-ubwd2-adam": ("mlp", plan("vPP", 2, 8, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)],
+                                                    6, (NO_RC, GPU_OPT, PackOptions())), ADAM),
+    "mlp-vdp-2ranks-uneven-sgd": ("mlp", plan("vDP", 2, 7, 2, 3, [(0, 3)], [(0, 1), (2, 3), (4, 5)], 6,
+                                              (NO_RC, PackOptions(), GPU_OPT)), SGD),
+    "gpt2-vpp-2ranks-stash-send-adam": ("gpt2", plan("vPP", 2, 4, 2, 1, [(0, 2), (3, 4)],
+                                                     [(0, 1), (2, 4), (5, 7)], 8), ADAM),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_executor_matches_plain_pytorch(name):
+    kind, p, factory = CASES[name]
+    model = mlp() if kind == "mlp" else gpt2()
+    want = reference(copy.deepcopy(model), p.batch, factory)
+    res = train(model, p, steps=STEPS, optimizer=factory, progress=False)
+    errs = layer_errors(res.weights, want)
+    assert max(errs) < 1e-5, (name, errs)
+    assert len(res.losses) == STEPS and len(res.peak_device_bytes) == p.gpus
+    assert all(b > 0 for b in res.peak_device_bytes if p.mode == "vDP" or p.gpus == 1)
+
+
+def test_kept_graph_is_used_when_possible():
+    p = CASES["mlp-vpp-ufwd4-ubwd2-stash-adam"][1]
+    program = compile_plan(p)
+    assert program.notes == () and program.counts()["FsA"] == 2 * 2 and program.counts()["C"] == 4
+
+
+def test_dropout_masks_replay_on_recompute():
+    """With dropout, recomputing must draw the forward's masks: recompute and kept graph agree."""
+    fwd, bwd = [(0, 3)], [(0, 1), (2, 3), (4, 5)]
+    runs = []
+    for options in ((), (NO_RC, NO_RC, PackOptions())):
+        res = train(mlp(dropout=0.3), plan("vPP", 1, 8, 4, 4, fwd, bwd, 6, options), steps=3, optimizer=SGD,
+                    progress=False)
+        runs.append(res.weights)
+    assert max(layer_errors(runs[0], runs[1])) < 1e-6
+    plain = reference(mlp(dropout=0.3), 8, SGD, steps=3)
+    assert max(layer_errors(runs[0], plain)) > 1e-3        # other masks than plain PyTorch: dropout is on
+
+
+def test_batchnorm_statistics_are_updated_once_per_forward():
+    """One microbatch per phase: the recompute must not update running statistics a second time."""
+    model = mlp(norm=True)
+    want = reference(copy.deepcopy(model), 8, SGD, steps=3)
+    p = plan("vPP", 1, 8, 8, 8, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    res = train(model, p, steps=3, optimizer=SGD, progress=False)
+    for got, ref in zip(res.weights, want):
+        for k in ref:
+            if "running" in k or "num_batches" in k:
+                assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-7), k
+    assert max(layer_errors(res.weights, want)) < 1e-5
+
+
+def test_memory_guard_names_the_instruction():
+    p = plan("vPP", 1, 8, 4, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    with pytest.raises(RuntimeMemoryError, match=r"rank 0: instruction \d+:\w+\[\d+-\d+\].* over the memory cap "
+                                                 r"of 3000 bytes"):
+        train(mlp(), p, steps=2, memory_cap=3000, progress=False)
+    res = train(mlp(), p, steps=1, progress=False)
+    assert res.peak_device_bytes[0] > 3000
+
+
+def _executor(program: Program, model: LayeredModel):
+    from runtime.executor import Executor
+    from runtime.optim import PackOptimizers
+    from runtime.shapes import boundary_shapes
+    from runtime.worker import updated_packs
+
+    x, y = model.make_batch(program.batch, torch.Generator().manual_seed(0))
+    optim = PackOptimizers(model.layers, updated_packs(program, 0), SGD)
+    return Executor(program, 0, model.layers, optim, boundary_shapes(model.layers, x, y)), x, y
+
+
+def test_executor_refuses_a_tensor_that_never_arrived():
+    p = plan("vPP", 1, 8, 4, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    program = compile_plan(p)
+    ins = [x for x in program.ranks[0] if not (x.kind is Kind.SWAP_IN and x.layers == (0, 0) and x.mb == 0)]
+    broken = Program(**{**program.__dict__, "ranks": (tuple(ins),)})
+    ex, x, y = _executor(broken, mlp())
+    with pytest.raises(ProgramError, match=r"reads device tensor \('X', 0, 0, 4\) which is not on the device"):
+        ex.run_iteration(0, x, y)
+    ex.close()
+
+
+def test_unknown_instruction_kind_is_an_error(monkeypatch):
+    import runtime.executor as executor
+
+    monkeypatch.delitem(executor._HANDLERS, Kind.ALL_REDUCE)
+    monkeypatch.delitem(executor._HANDLERS, Kind.FREE)
+    p = plan("vPP", 1, 4, 4, 4, [], [(0, 5)], 6)
+    ex, x, y = _executor(compile_plan(p), mlp())
+    with pytest.raises(ProgramError, match="does not understand instruction .*D"):
+        ex.run_iteration(0, x, y)
+    ex.close()

@@ -1,0 +1,211 @@
+"""Training API and CLI: checkpoints that resume exactly, and bad input refused before any step."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from harmony_opt.cli import main
+from harmony_opt.compiler import compile_plan
+from harmony_opt.decompose import ClassificationLoss, LayeredModel
+from harmony_opt.errors import DataError, PlanError, ProgramError, UsageError
+from harmony_opt.plan import PackOptions, Plan
+from harmony_opt.train import batch_seed, train
+
+
+def _batch(batch: int, gen: torch.Generator):
+    return torch.randn(batch, 8, generator=gen), torch.randint(4, (batch,), generator=gen)
+
+
+def mlp(seed: int = 0) -> LayeredModel:
+    torch.manual_seed(seed)
+    layers = [nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+              nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4), ClassificationLoss()]
+    return LayeredModel("mlp", layers, _batch, {"optimizer": "adam"})
+
+
+def make_plan(**kw) -> Plan:
+    d = dict(planner="test", mode="vPP", gpus=1, batch=6, microbatch_fwd=3, microbatch_bwd=2,
+             packs_fwd=[(0, 1), (2, 2)], packs_bwd=[(0, 1), (2, 2), (3, 4)], num_layers=5,
+             options=(PackOptions(recompute=False), PackOptions(), PackOptions()))
+    d.update(kw)
+    return Plan(**d)
+
+
+def weights(model):
+    return [{k: v.clone() for k, v in layer.state_dict().items()} for layer in model.layers]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    plan = make_plan()
+    full = train(mlp(), plan, steps=6, progress=False)
+    first = train(mlp(), plan, steps=3, checkpoint_dir=tmp_path, progress=False)
+    assert first.losses == full.losses[:3]
+    resumed = mlp(seed=123)                                 # other weights: the checkpoint's must win
+    rest = train(resumed, plan, steps=6, checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert rest.start_step == 3 and rest.losses == full.losses
+    assert same(rest.weights, full.weights)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_two_rank_checkpoint_gathers_every_ranks_optimizer_state(tmp_path):
+    plan = make_plan(mode="vDP", gpus=2, batch=6, microbatch_fwd=3, microbatch_bwd=1)
+    full = train(mlp(), plan, steps=4, progress=False)
+    train(mlp(), plan, steps=2, checkpoint_dir=tmp_path, progress=False)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert sorted(state["optimizer"]) == ["0-1", "2-2", "3-4"]       # packs updated on ranks 0, 1 and 0
+    rest = train(mlp(), plan, steps=4, checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert same(rest.weights, full.weights) and rest.losses == full.losses
+
+
+def test_resume_with_given_data_skips_the_batches_already_used(tmp_path):
+    plan = make_plan()
+    data = [_batch(6, torch.Generator().manual_seed(100 + s)) for s in range(4)]
+    full = train(mlp(), plan, data, steps=4, optimizer="sgd", progress=False)
+    train(mlp(), plan, data[:2], steps=2, optimizer="sgd", checkpoint_dir=tmp_path, checkpoint_every=1,
+          progress=False)
+    rest = train(mlp(), plan, data, steps=4, optimizer="sgd", checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert same(rest.weights, full.weights)
+
+
+def test_resume_at_the_end_runs_nothing(tmp_path):
+    plan = make_plan()
+    done = train(mlp(), plan, steps=2, checkpoint_dir=tmp_path, progress=False)
+    again = train(mlp(seed=5), plan, steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert again.start_step == 2 and again.iteration_times == [] and again.losses == done.losses
+    assert same(again.weights, done.weights)
+
+
+def test_checkpoint_from_another_plan_is_refused(tmp_path):
+    train(mlp(), make_plan(), steps=1, checkpoint_dir=tmp_path, progress=False)
+    model = mlp()
+    before = weights(model)
+    with pytest.raises(DataError, match="written for another plan"):
+        train(model, make_plan(microbatch_fwd=2), steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert same(weights(model), before)
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    train(mlp(), make_plan(), steps=1, checkpoint_dir=tmp_path, progress=False)
+    other = mlp()
+    other.layers[1] = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh())
+    with pytest.raises(DataError, match="layer 1 does not match the model"):
+        train(other, make_plan(), steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
+
+
+def test_missing_checkpoint_is_refused(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        train(mlp(), make_plan(), steps=2, checkpoint_dir=tmp_path / "none", resume=True, progress=False)
+    with pytest.raises(UsageError, match="needs a checkpoint folder"):
+        train(mlp(), make_plan(), steps=2, resume=True, progress=False)
+
+
+def test_an_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch):
+    plan = make_plan()
+    train(mlp(), plan, steps=1, checkpoint_dir=tmp_path, progress=False)
+    good = (tmp_path / "checkpoint.pt").read_bytes()
+
+    def crash(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        train(mlp(), plan, steps=2, checkpoint_dir=tmp_path, resume=True, progress=False)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+    assert (tmp_path / "checkpoint.pt").read_bytes() == good
+
+
+# -- bad input, refused before any step --------------------------------------------------------------------
+
+def test_plan_for_another_model_is_refused():
+    with pytest.raises(PlanError, match="plan has 6 layers but model 'mlp' has 5"):
+        train(mlp(), make_plan(num_layers=6, packs_bwd=[(0, 1), (2, 2), (3, 5)]), steps=1, progress=False)
+
+
+def test_program_for_another_plan_is_refused():
+    other = compile_plan(make_plan(microbatch_bwd=3))
+    with pytest.raises(ProgramError, match="compiled from another plan"):
+        train(mlp(), make_plan(), steps=1, program=other, progress=False)
+
+
+def test_program_sized_for_another_model_is_refused():
+    from runtime.shapes import measure_layer_bytes
+
+    wide = mlp()
+    wide.layers[1] = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh())
+    x, y = _batch(1, torch.Generator())
+    program = compile_plan(make_plan(), layer_bytes=measure_layer_bytes(wide.layers, x, y))
+    with pytest.raises(ProgramError, match="layer 1 has 1024 weight bytes; this model's has 1088"):
+        train(mlp(), make_plan(), steps=1, program=program, progress=False)
+
+
+def test_wrong_batch_size_is_refused_before_any_step(tmp_path):
+    model = mlp()
+    before = weights(model)
+    data = [_batch(6, torch.Generator()), _batch(6, torch.Generator()), _batch(5, torch.Generator())]
+    with pytest.raises(DataError, match="data batch 2: inputs hold 5 samples but the plan's minibatch is 6"):
+        train(model, make_plan(), data, steps=3, checkpoint_dir=tmp_path, progress=False)
+    assert same(weights(model), before)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_data_that_does_not_fit_the_model_is_refused():
+    data = [(torch.randn(6, 7), torch.randint(4, (6,)))]
+    with pytest.raises(DataError, match=r"layer 0 \(Sequential\) fails on the data"):
+        train(mlp(), make_plan(), data, steps=1, progress=False)
+
+
+def test_too_little_data_is_refused():
+    with pytest.raises(DataError, match="the data has 1 minibatches but 3 steps"):
+        train(mlp(), make_plan(), [_batch(6, torch.Generator())], steps=3, progress=False)
+
+
+def test_unknown_optimizer_and_device_are_refused():
+    with pytest.raises(UsageError, match="optimizer 'lbfgs'"):
+        train(mlp(), make_plan(), steps=1, optimizer="lbfgs", progress=False)
+    with pytest.raises(UsageError, match="device"):
+        train(mlp(), make_plan(), steps=1, device="tpu", progress=False)
+
+
+def test_result_reports_speed_and_memory():
+    res = train(mlp(), make_plan(), steps=3, progress=False)
+    assert res.samples_per_s > 0 and len(res.iteration_times) == 3
+    assert res.peak_device_bytes[0] > 0 and len(res.losses) == 3
+    x, y = _batch(6, torch.Generator().manual_seed(batch_seed(0, 0)))
+    with torch.no_grad():
+        assert abs(res.losses[0] - mlp().loss(x, y).item()) < 1e-5
+
+
+# -- command line -------------------------------------------------------------------------------------------
+
+def test_cli_compile_and_run_with_checkpoint(tmp_path, capsys):
+    plan = {"version": 1, "planner": "manual", "mode": "vPP", "gpus": 1, "batch": 4,
+            "microbatch": {"fwd": 2, "bwd": 1}, "packs": {"fwd": [[0, 2], [3, 4]], "bwd": [[0, 2], [3, 4], [5, 7]]},
+            "num_layers": 8, "memory_cap": 10**8}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    assert main(["compile", str(path), "-o", str(tmp_path / "prog.json"), "--model", "gpt2-tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0:" in out and "peak" in out and (tmp_path / "prog.json").is_file()
+    assert main(["compile", str(path), "-o", str(tmp_path / "p2.json"), "--model", "gpt2-tiny",
+                 "--memory-cap", "100kB"]) == 2
+    assert "over the cap of 100000 bytes" in capsys.readouterr().err
+    ck = tmp_path / "ck"
+    assert main(["run", str(path), "--model", "gpt2-tiny", "--steps", "2", "--checkpoint", str(ck)]) == 0
+    out, err = capsys.readouterr()
+    assert "gpt2-tiny: steps 0..1" in out and "samples/s" in out
+    assert "loss=" in err and "samples_s=" in err                       # the progress bar
+    assert main(["run", str(path), "--model", "gpt2-tiny", "--steps", "3", "--checkpoint", str(ck), "--resume",
+                 "--no-progress"]) == 0
+    assert "steps 2..2" in capsys.readouterr().out
+    assert main(["run", str(path), "--model", "gpt2-tiny", "--resume"]) == 2
+    assert "--resume needs --checkpoint" in capsys.readouterr().err
