@@ -20,7 +20,7 @@ from typing import Callable
 from .errors import InfeasibleError, PlanError, UsageError
 from .hardware import Hardware
 from .memory import check_layers_fit, max_pack_end
-from .plan import Plan, data_shares
+from .plan import Plan, data_shares, split_microbatches
 from .profile import Profile
 from .units import fmt_bytes
 
@@ -49,23 +49,39 @@ def feasible_sizes(profile: Profile, batch: int, mode: str, gpus: int, phase: st
             if not divisors_only or all(s % u == 0 for s in (data_shares(batch, gpus) if mode == "vDP" else [batch]))]
 
 
+def _compute_floor(plan: Plan, profile: Profile) -> float:
+    """Seconds the busiest GPU computes (every sample's recompute + backward of every layer):
+    no simulation of the plan can be shorter, since a GPU's compute stream runs one event at a time."""
+    if not all(o.recompute for o in plan.options):
+        return 0.0
+    share = max(data_shares(plan.batch, plan.gpus)) if plan.mode == "vDP" else plan.batch
+    R = profile.num_layers
+    return float(sum(profile.costs("BWD", m).pack_time(0, R - 1)
+                     for m in split_microbatches(share, plan.microbatch_bwd)))
+
+
 def _best_by_size(make: Callable[[int], Plan | None], sizes, profile, hw, name, cap) -> Plan:
+    """The fastest size by simulation; largest sizes first, skipping a size whose compute floor
+    exceeds the best time so far (same result as simulating all: small sizes of long models take
+    minutes to simulate and are never the best); ties go to the smaller size."""
     t0 = time.perf_counter()
-    best, best_t = None, float("inf")
-    for u in sizes:
+    best, best_t, best_u = None, float("inf"), None
+    for u in sorted(sizes, reverse=True):
         plan = make(u)
-        if plan is None:
+        if plan is None or _compute_floor(plan, profile) > best_t * (1 + 1e-9):
             continue
         t = score(plan, profile, hw)
-        if t < best_t:
-            best, best_t = plan, t
+        if t < best_t or (t == best_t and u < best_u):
+            best, best_t, best_u = plan, t, u
     if best is None:
         raise _infeasible(profile, cap, sizes, name)
     return best.replace(simulated_iteration_time_s=best_t, search_time_s=time.perf_counter() - t0)
 
 
 def _infeasible(profile, cap, sizes, name) -> InfeasibleError:
-    u = min(sizes) if sizes else profile.size_range("BWD")[0]
+    if not sizes:
+        return _no_sizes(profile, name)
+    u = min(sizes)
     try:
         check_layers_fit(profile, "BWD", u, cap)
     except InfeasibleError as e:
@@ -75,22 +91,33 @@ def _infeasible(profile, cap, sizes, name) -> InfeasibleError:
                            cap_bytes=cap)
 
 
+def _no_sizes(profile: Profile, name: str) -> InfeasibleError:
+    (fl, fh), (bl, bh) = profile.size_range("FWD"), profile.size_range("BWD")
+    return InfeasibleError(f"{name}: no microbatch size to try: it must be profiled for both phases ({profile.name}: "
+                           f"FWD {fl}..{fh}, BWD {bl}..{bh}) and divide every GPU's share of the batch; "
+                           f"change --batch or --gpus")
+
+
+def same_sizes(profile: Profile, batch: int, gpus: int) -> list[int]:
+    """Sizes a planner that uses one microbatch size for both phases may pick (vDP, dividing every share):
+    both phases must be profiled there, or the plan cannot be simulated."""
+    (fl, fh), (bl, bh) = profile.size_range("FWD"), profile.size_range("BWD")
+    return [u for u in feasible_sizes(profile, batch, "vDP", gpus) if max(fl, bl) <= u <= min(fh, bh)]
+
+
 def plan_layerwise(profile: Profile, hw: Hardware, batch: int, cap: int, *, grouping: bool, name: str,
                    gpus: int | None = None) -> Plan:
     """One layer per pack (naive-swap and l2l), vDP over the GPUs."""
     n = gpus or hw.gpus
     R = profile.num_layers
-    sizes = feasible_sizes(profile, batch, "vDP", n)
 
     def make(u):
-        if any(profile.costs(ph, u).memory.max() > cap for ph in ("FWD", "BWD")
-               if u <= profile.size_range(ph)[1]):
+        if any(profile.costs(ph, u).memory.max() > cap for ph in ("FWD", "BWD")):
             return None
         bwd = [(l, l) for l in range(R)]
         return Plan(name, "vDP", n, batch, u, u, bwd[:-1], bwd, R, input_batch_grouping=grouping,
                     memory_cap=cap, **_ident(profile, hw))
-    sizes = [u for u in sizes if u <= profile.size_range("FWD")[1]]
-    return _best_by_size(make, sizes, profile, hw, name, cap)
+    return _best_by_size(make, same_sizes(profile, batch, n), profile, hw, name, cap)
 
 
 def plan_naive_swap(profile, hw, batch, cap, gpus=None, **_):
@@ -106,8 +133,10 @@ def plan_zero_offload(profile, hw, batch, cap, gpus=None, **_):
     n = gpus or hw.gpus
     R = profile.num_layers
     need_w = int(profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1))
-    sizes = feasible_sizes(profile, batch, "vDP", n)
-    u0 = min(sizes) if sizes else profile.size_range("BWD")[0]
+    sizes = same_sizes(profile, batch, n)
+    if not sizes:
+        raise _no_sizes(profile, "zero-offload")
+    u0 = min(sizes)
     need = int(profile.costs("BWD", u0).pack_memory(0, R - 1))
     if need > cap:
         raise InfeasibleError(

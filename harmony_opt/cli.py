@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "harmony_opt.commands.measure",
     "harmony_opt.commands.running",
     "harmony_opt.commands.reproduce",
+    "harmony_opt.commands.check",
 )
 
 
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug: say so, point at --debug
         if debug:
             traceback.print_exc()
-        print(f"harmony-opt: internal error: {type(e).__name__}: {e} "
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"harmony-opt: internal error: {type(e).__name__}: {first} "
               f"(this is a bug; rerun with --debug and report the traceback)", file=sys.stderr)
         return 1
 

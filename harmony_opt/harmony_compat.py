@@ -1082,7 +1082,8 @@ def _check_args(batch, gpus, mode, memory_cap, topk, step) -> str:
         raise UsageError(f"memory_cap must be a positive number of bytes, got {memory_cap!r}")
     mode = modes[str(mode).lower()]
     if mode == "vDP" and batch < gpus:
-        raise UsageError(f"vDP needs at least one sample per GPU: batch {batch} < {gpus} GPUs")
+        raise InfeasibleError(f"vDP needs at least one sample per GPU: batch {batch} < {gpus} GPUs; "
+                              f"use vPP, fewer GPUs or a larger batch")
     return mode
 
 

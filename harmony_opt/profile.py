@@ -453,6 +453,15 @@ def _validate(layers: pd.DataFrame, micro: pd.DataFrame, source: str) -> None:
         miss = sorted(set(range(R)) - have)[:5]
         raise ProfileError(f"{mf}: phase {phase}, microbatch {u} has {n} of {R} layers (missing layer(s) "
                            f"{', '.join(map(str, miss))}); every profiled size needs every layer")
+    # A layer's peak includes its own weights and buffers; a smaller peak is a unit mistake (MB for bytes).
+    resident = (layers.set_index("layer")["param_bytes"] + layers.set_index("layer")["buffer_bytes"])
+    below = micro["peak_memory_bytes"].to_numpy() < resident.reindex(micro["layer"]).to_numpy()
+    if below.any():
+        i = int(np.flatnonzero(below)[0])
+        r = micro.iloc[i]
+        raise ProfileError(f"{mf}: row {i + 2}, column peak_memory_bytes: {r['peak_memory_bytes']} bytes is less than "
+                           f"layer {r['layer']}'s own parameters and buffers ({resident[r['layer']]} bytes); "
+                           f"check the units (bytes)")
     fwd = micro[micro.phase == "FWD"].pivot(index="microbatch", columns="layer", values="input_bytes")
     shrink = np.diff(fwd.to_numpy(), axis=0) < 0
     if shrink.any():

@@ -289,7 +289,7 @@ class _Expansion:
                 else:
                     dur = float(ci.pack_time(a, b))
                     if not plan.options[t.bwd_index].recompute:
-                        dur -= float(prof.costs("FWD", min(u, prof.size_range("FWD")[1])).pack_time(a, b))
+                        dur -= float(prof.costs("FWD", int(np.clip(u, *prof.size_range("FWD")))).pack_time(a, b))
                         dur = max(dur, 0.0)
                 cdeps = in_dep + [w_in] + ([computes[-1]] if computes else [])
                 comp = self.add(r, "compute", "FWD" if t.kind == "F" else "BWD", t, i, dur, 0, cdeps,
@@ -468,6 +468,7 @@ class _Expansion:
                        for e in ev if e.kind != "free"]
         mem = [row for r in range(ranks) for row in memory_steps(r, mem_deltas.get(r, []))]
         tl = Timeline.from_records(records, iteration, mem, cost_model="default", ranks=ranks)
+        tl.meta["events"] = len(ev)
         if not with_timeline:
             tl.meta["peak_memory"] = {r: max((b for _, _, b in memory_steps(r, mem_deltas.get(r, []))), default=0)
                                       for r in range(ranks)}

@@ -89,8 +89,10 @@ class Timeline:
                           "ts": float(m.time) * 1e6, "args": {"MiB": float(m.bytes) / 2**20}})
         return atomic_write_text(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
-    def plot(self, path: str | Path, title: str = "", cap: int | None = None) -> Path:
-        """Gantt chart per rank and stream, with GPU memory over time beneath."""
+    def plot(self, path: str | Path, title: str = "", cap: int | None = None, xmax: float | None = None) -> Path:
+        """Gantt chart per rank and stream, with GPU memory over time beneath.
+
+        ``xmax`` (seconds) fixes the time axis, so charts of two plans compare at one scale."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -124,6 +126,8 @@ class Timeline:
             axm.axhline(cap / 2**30, color="k", ls="--", lw=1, label="memory cap")
         axm.set_ylabel("GPU memory (GiB)")
         axm.set_xlabel("time (s)")
+        if xmax:
+            axm.set_xlim(0, xmax)
         if not self.memory.empty:
             axm.legend(fontsize=7, loc="upper right", ncol=5)
         fig.tight_layout()

@@ -46,6 +46,8 @@ class TrainResult:
     start_step: int
     steps: int
     program: Program
+    rank_pids: list[int] = dataclasses.field(default_factory=list)    # the process of each rank
+    backend: str | None = None                  # torch.distributed backend of a multi-rank run
 
 
 def batch_seed(seed: int, step: int) -> int:
@@ -76,7 +78,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     from runtime.worker import Job, run_job
 
     layers = list(model.layers)
-    _check_plan(model, plan)
+    check_plan(model, plan)
     _check_device(device, plan.gpus)
     program = _program(plan, layers, program)
     if steps < 0:
@@ -105,12 +107,21 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         losses=results[0].losses if results else job.losses_before,
         samples_per_s=plan.batch * len(times) / sum(times) if times else 0.0,
         iteration_times=times, peak_device_bytes=[r.peak_bytes for r in results],
-        start_step=start, steps=max(steps, start), program=program)
+        start_step=start, steps=max(steps, start), program=program,
+        rank_pids=[r.pid for r in results], backend=results[0].backend if results else None)
 
 
-def _check_plan(model, plan: Plan) -> None:
+def check_plan(model, plan: Plan) -> None:
+    """Refuse a plan made for another model: another layer count, or another built-in model's profile."""
+    from .models import MODEL_NAMES
+
     if not isinstance(plan, Plan):
         raise UsageError(f"plan must be a harmony_opt Plan, got {type(plan).__name__}")
+    made_for = str((plan.profile or {}).get("name", ""))
+    norm = lambda n: n.strip().lower().replace("_", "-")  # noqa: E731  (gpt2_xl profile = gpt2-xl model)
+    if norm(made_for) in MODEL_NAMES and norm(model.name) in MODEL_NAMES and norm(made_for) != norm(model.name):
+        raise PlanError(f"the plan was made from a profile of {made_for!r}, not of model {model.name!r}; "
+                        f"plan for the model you run")
     if plan.num_layers != len(model.layers):
         raise PlanError(f"the plan has {plan.num_layers} layers but model {model.name!r} has {len(model.layers)}; "
                         f"the plan was made for another model (or another cut of it)")

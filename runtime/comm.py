@@ -59,3 +59,8 @@ class Comm:
 
     def barrier(self) -> None:
         dist.barrier(group=self.ctrl)
+
+    @staticmethod
+    def backend_in_use() -> str:
+        """The backend of the default process group, as torch.distributed reports it."""
+        return str(dist.get_backend())

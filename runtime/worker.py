@@ -64,6 +64,8 @@ class RankResult:
     iteration_times: list[float]
     peak_bytes: int
     device_peak_bytes: int | None
+    pid: int                    # the process that ran the rank
+    backend: str | None         # torch.distributed backend ("gloo", "nccl"); None in a one-rank run
 
 
 def updated_packs(program: Program, rank: int) -> list[tuple[int, int]]:
@@ -81,6 +83,7 @@ def run_rank(rank: int, job: Job, comm: Comm | None) -> RankResult:
     losses = list(job.losses_before)
     total = job.start_step + len(job.batches)
     bar = _progress(job, rank, total)
+    ok = False
     try:
         for k, (x, y) in enumerate(job.batches):
             step = job.start_step + k
@@ -88,16 +91,19 @@ def run_rank(rank: int, job: Job, comm: Comm | None) -> RankResult:
             losses.append(comm.sum_float(part) if comm else part)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{losses[-1]:.4f}", samples_s=f"{x.shape[0] / ex.times[-1]:.1f}")
+                bar.set_postfix_str(f"loss {losses[-1]:.4f}, {x.shape[0] / ex.times[-1]:.1f} samples/s")
             if job.checkpoint_dir and (step + 1 == total or (job.checkpoint_every
                                                               and (step + 1) % job.checkpoint_every == 0)):
                 _checkpoint(job, rank, comm, optim, step + 1, losses)
+        ok = True
     finally:
         ex.close()
         if bar is not None:
+            bar.leave = ok          # a failed run erases its bar: the error stays the one line on stderr
             bar.close()
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak)
+    backend = comm.backend_in_use() if comm else None
+    return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak, os.getpid(), backend)
 
 
 def _progress(job: Job, rank: int, total: int):
@@ -150,15 +156,32 @@ def _rank_main(rank: int, world: int, port: int, job: Job, results) -> None:
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "harmony_opt.program", "runtime.worker"]
 
 
-def _context():
-    """Processes come from a fork server that has imported torch and this package once (a clean,
-    single-threaded process: safe to fork, CUDA untouched), so each run skips the seconds a
-    freshly spawned interpreter spends importing them; spawn where there is no fork server."""
+def layer_modules(layers: list[nn.Module]) -> list[str]:
+    """Modules defining the layers' classes: a rank must import them to unpickle its layers
+    (transformers' GPT-2 takes seconds), so the fork server imports them once instead."""
+    names = {type(m).__module__ for layer in layers for m in layer.modules()}
+    return sorted(n for n in names if n != "__main__" and not n.startswith("torch."))
+
+
+def _context(modules: list[str]):
+    """Processes come from a fork server that has imported torch, this package and ``modules``
+    once (a clean, single-threaded process: safe to fork, CUDA untouched), so each run skips the
+    seconds a freshly spawned interpreter spends importing them; spawn where there is no fork
+    server. A fork server already running without ``modules`` is restarted with them."""
     mp = torch.multiprocessing
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    want = list(dict.fromkeys(_PRELOAD + modules))
+    server = forkserver._forkserver
+    have = getattr(server, "_preload_modules", None)
+    if have is not None and not set(want) <= set(have) and getattr(server, "_forkserver_pid", None):
+        server._stop()      # private, but the only way to change what a running fork server preloads
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    if have is None or not set(want) <= set(have):
+        keep = [m for m in have or [] if m != "__main__"]     # never re-run the caller's script there
+        ctx.set_forkserver_preload(list(dict.fromkeys(keep + want)))
     return ctx
 
 
@@ -167,7 +190,7 @@ def run_job(job: Job) -> list[RankResult]:
     world = job.program.gpus
     if world == 1:
         return [run_rank(0, job, None)]
-    ctx = _context()
+    ctx = _context(layer_modules(job.layers))
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results), name=f"harmony-opt-rank{r}")
@@ -182,13 +205,15 @@ def run_job(job: Job) -> list[RankResult]:
             except queue_mod.Empty:
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
-                    raise RuntimeError(f"rank process {dead[0].name} died with exit code {dead[0].exitcode}")
+                    raise RuntimeError(f"rank process {dead[0].name} died with exit code {dead[0].exitcode} before "
+                                       f"reporting (if its error mentions the bootstrapping phase: call train() "
+                                       f"under `if __name__ == \"__main__\":`, as any torch.multiprocessing code)")
                 continue
             if msg[0] == "error":
                 _, rank, name, text, tb = msg
                 cls = getattr(errors, name, None)
                 if isinstance(cls, type) and issubclass(cls, errors.HarmonyOptError):
-                    raise cls(f"rank {rank}: {text}")
+                    raise cls(text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}")
                 raise RuntimeError(f"rank {rank} failed: {name}: {text}\n{tb}")
             got[msg[1]] = msg[2]
     finally:

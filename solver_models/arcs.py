@@ -10,6 +10,14 @@ Profile's O(1) prefix-sum queries, vectorized over all candidates at once):
 * ``task``: the task's time with its transfers overlapped (just-in-time prefetch):
   ``max(compute, h2d / bw_in, d2h / bw_out)``.
 
+Backward and criterion packs come in variants, one arc per per-pack option (Plan's
+PackOptions): ``recompute`` (re-run the pack's forward in its backward, Harmony's rule)
+or stash (the forward sends the pack's saved activations to host memory, the backward
+brings them back and skips the recompute), and the optimizer step on the CPU or on the
+GPU (optimizer state comes in, updated weights and state go out, no CPU tail). A stash
+variant also costs memory in the forward packs that hold its layers; packing.py couples
+the two through per-layer stash indicators (``Phases.saved_fwd``).
+
 Both the CP-SAT model (packing.py) and the exact DP (dp.py) read these arrays, so they
 optimize the same objective.
 """
@@ -28,6 +36,11 @@ from harmony_opt.profile import Profile
 #: cut where memory forces it; shorter packs only add boundary traffic. Both the CP-SAT
 #: model and the DP oracle use the same candidates, so their optima are comparable.
 MAX_ARCS_PER_START = 64
+
+#: Stash variants are offered up to this many layers: each adds a per-layer memory
+#: coupling to the forward packs, and on Harmony's profiles a stash only pays where the
+#: host link has room, which models of a few hundred layers (vgg416, resnet1026) never have.
+MAX_LAYERS_WITH_STASH = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +69,27 @@ class Arcs:
     hop: np.ndarray          # s: one microbatch through the pack plus handing its output on (pipeline latency)
     link_in: np.ndarray      # s: h2d bytes / link bandwidth
     link_out: np.ndarray     # s: d2h bytes / link bandwidth
+    recompute: np.ndarray = None   # bool: backward re-runs the forward (False: stashed activations)
+    gpu_opt: np.ndarray = None     # bool: optimizer step on the GPU
+
+    def __post_init__(self):
+        n = len(self.start)
+        if self.recompute is None:
+            self.recompute = np.ones(n, bool)
+        if self.gpu_opt is None:
+            self.gpu_opt = np.zeros(n, bool)
 
     def __len__(self):
         return len(self.start)
+
+    def key(self, k: int) -> tuple:
+        """(first, last, recompute, gpu optimizer) of arc k: what a plan records of it."""
+        return (int(self.start[k]), int(self.end[k]), bool(self.recompute[k]), bool(self.gpu_opt[k]))
+
+    @staticmethod
+    def concat(parts: list["Arcs"]) -> "Arcs":
+        return Arcs(*(np.concatenate([getattr(p, f.name) for p in parts])
+                      for f in dataclasses.fields(Arcs)))
 
 
 def _enumerate(max_end: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,14 +108,32 @@ def _enumerate(max_end: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.nd
     return np.concatenate(starts), np.concatenate(ends)
 
 
-def build_arcs(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int):
-    """Forward arcs, backward arcs and the criterion arcs (bwd packs [s, R-1])."""
+@dataclasses.dataclass
+class Phases:
+    """Everything the packing models read for one configuration."""
+
+    fwd: Arcs
+    bwd: Arcs                 # backward packs not holding the loss, all option variants
+    crit: Arcs                # criterion packs [s, R-1], optimizer variants
+    microbatches: tuple[int, int]   # number of forward and backward microbatches
+    fwd_mem: np.ndarray       # bytes: working set of each forward arc at u_fwd (no stash)
+    saved_fwd: np.ndarray | None    # bytes per layer a stashed layer adds to its forward pack; None: no stash arcs
+    cap: int
+
+    def __iter__(self):       # fwd, bwd, crit, microbatches = phases
+        return iter((self.fwd, self.bwd, self.crit, self.microbatches))
+
+
+def build_arcs(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, *,
+               options: bool = True) -> Phases:
+    """Forward arcs, backward arcs (with option variants when ``options``) and criterion arcs."""
     R = profile.num_layers
     share = batch if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)[0]
     uf_list = split_microbatches(share, cfg.u_fwd)
     ub_list = split_microbatches(share, cfg.u_bwd)
     cf = profile.costs("FWD", cfg.u_fwd)
     cb = profile.costs("BWD", cfg.u_bwd)
+    f_max = profile.size_range("FWD")[1]
     cf_parts = [profile.costs("FWD", u) for u in sorted(set(uf_list))]
     cb_parts = [profile.costs("BWD", u) for u in sorted(set(ub_list))]
     count_f = {u: uf_list.count(u) for u in set(uf_list)}
@@ -92,6 +141,7 @@ def build_arcs(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int
     same_rank = cfg.mode == "vDP" or cfg.gpus == 1
     via_host = same_rank or hw.p2p_bandwidth <= 0
     bw_in, bw_out = hw.h2d_bandwidth, hw.d2h_bandwidth
+    replicas = cfg.gpus if cfg.mode == "vDP" and cfg.gpus > 1 and hw.p2p_bandwidth > 0 else 1
 
     def sum_over(parts, counts, fn):
         return sum(counts[c.u] * fn(c) for c in parts)
@@ -110,51 +160,100 @@ def build_arcs(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int
     fwd = _arcs(fs, fe, f_compute, f_h2d, f_d2h, bw_in, bw_out, link,
                 first_load=np.where(fs == 0, f_in / bw_in, 0.0), tail=np.zeros(len(fs)),
                 hop=f_compute / len(uf_list) + cf.input[fe + 1] / hand)
+    fwd_mem = np.asarray(cf.pack_memory(fs, fe), dtype=np.float64)
 
     # ---- backward arcs (not holding the loss): [a, b] with b <= R-2
     end_b = max_pack_end(cb, cap)
     bs, be = _enumerate(end_b, 0, R - 2)
-    b_compute = sum_over(cb_parts, count_b, lambda c: c.pack_time(bs, be))
+    b_mem = cb.pack_memory(bs, be)
     w = profile.param_bytes(bs, be)
+    k_opt = profile.optimizer_bytes(bs, be)
     b_wb = w + profile.buffer_bytes(bs, be)
-    stash_in = sum_over(cb_parts, count_b, lambda c: c.input[bs])
-    stash_out = sum_over(cf_parts, count_f, lambda c: c.input[bs])     # the forward stashes it
     dy = sum_over(cb_parts, count_b, lambda c: c.input[be + 1])
-    dx = np.where(bs > 0, stash_in, 0)
-    b_h2d = b_wb + stash_in + np.where(via_host, dy, 0)
-    b_d2h = w + stash_out + np.where(via_host, dx, 0)
-    upd = profile.cpu_update_time(bs, be) * hw.cpu_optimizer_scale
-    if cfg.mode == "vDP" and cfg.gpus > 1:
-        upd = upd / cfg.gpus if hw.p2p_bandwidth > 0 else upd
-    bwd = _arcs(bs, be, b_compute, b_h2d, b_d2h, bw_in, bw_out, link,
-                first_load=np.zeros(len(bs)), tail=np.where(bs == 0, upd, 0.0),
-                hop=b_compute / len(ub_list) + cb.input[bs] / hand)
+    b_upd = profile.cpu_update_time(bs, be) * hw.cpu_optimizer_scale / replicas
+    stash_ok = options and R <= MAX_LAYERS_WITH_STASH
+    variants = [(True, False)] + ([(True, True)] if options else []) + \
+        ([(False, False), (False, True)] if stash_ok else [])
+    # A variant is offered only where it can pay (else it only slows the search):
+    # stash where moving a microbatch's saved activations takes less than recomputing them,
+    # the GPU step where it removes the CPU tail (layer 0) or outlasts moving the state.
+    f_time = sum_over(cb_parts, count_b, lambda c: profile.costs("FWD", min(c.u, f_max)).pack_time(bs, be))
+    saved_in = sum_over(cb_parts, count_b, lambda c: c.pack_saved(bs, be))
+    stash_pays = saved_in / bw_in < f_time
+    gpu_pays = (bs == 0) | (b_upd > (k_opt / bw_in + (w + k_opt) / bw_out))
+    parts = []
+    for recompute, gpu_opt in variants:
+        keep = np.ones(len(bs), bool)
+        if gpu_opt:
+            keep &= (b_mem + k_opt <= cap) & gpu_pays
+        if not recompute:
+            keep &= stash_pays
+        a, b = bs[keep], be[keep]
+        compute = sum_over(cb_parts, count_b, lambda c: c.pack_time(a, b))
+        if recompute:
+            stash_in = sum_over(cb_parts, count_b, lambda c: c.input[a])
+            stash_out = sum_over(cf_parts, count_f, lambda c: c.input[a])     # the forward sends it
+        else:   # saved activations instead of the input; the backward skips the recompute
+            stash_in = sum_over(cb_parts, count_b, lambda c: c.pack_saved(a, b))
+            stash_out = sum_over(cf_parts, count_f, lambda c: c.pack_saved(a, b))
+            compute = compute - sum(count_b[c.u] * np.minimum(
+                profile.costs("FWD", min(c.u, f_max)).pack_time(a, b), c.pack_time(a, b)) for c in cb_parts)
+        dx = np.where(a > 0, sum_over(cb_parts, count_b, lambda c: c.input[a]), 0)
+        h2d = b_wb[keep] + stash_in + np.where(via_host, dy[keep], 0)
+        grads = w[keep] / replicas
+        tail = np.where(a == 0, b_upd[keep], 0.0)
+        if gpu_opt:   # state in; updated weights and state out; the step runs on the GPU
+            h2d = h2d + k_opt[keep]
+            grads = (w[keep] + k_opt[keep]) / replicas
+            compute = compute + (3 * w[keep] + 2 * k_opt[keep]) / hw.gpu_optimizer_bandwidth
+            tail = np.zeros(len(a))
+        d2h = grads + stash_out + np.where(via_host, dx, 0)
+        parts.append(_arcs(a, b, compute, h2d, d2h, bw_in, bw_out, link, first_load=np.zeros(len(a)), tail=tail,
+                           hop=compute / len(ub_list) + cb.input[a] / hand,
+                           recompute=np.full(len(a), recompute), gpu_opt=np.full(len(a), gpu_opt)))
+    bwd = Arcs.concat(parts)
 
-    # ---- criterion arcs [s, R-1]
+    # ---- criterion arcs [s, R-1] (forward and backward in one task: nothing to stash)
     ok = np.array([cb.pack_memory(s, R - 1) <= cap for s in range(R)])
     cs = np.flatnonzero(ok)
     ce = np.full(len(cs), R - 1)
-    c_compute = sum_over(cb_parts, count_b, lambda c: c.pack_time(cs, ce))
-    cw = profile.param_bytes(cs, ce)
-    c_x = sum_over(cb_parts, count_b, lambda c: c.input[cs])
     rebatch = cfg.u_fwd != cfg.u_bwd
-    c_h2d = cw + profile.buffer_bytes(cs, ce) + np.where((cs == 0) | via_host | rebatch, c_x, 0)
-    c_d2h = cw + np.where((cs > 0) & via_host, c_x, 0)
-    cupd = profile.cpu_update_time(cs, ce) * hw.cpu_optimizer_scale
-    if cfg.mode == "vDP" and cfg.gpus > 1 and hw.p2p_bandwidth > 0:
-        cupd = cupd / cfg.gpus
-    crit = _arcs(cs, ce, c_compute, c_h2d, c_d2h, bw_in, bw_out, link,
-                 first_load=np.where(cs == 0, (cw + profile.buffer_bytes(cs, ce)) / bw_in, 0.0),
-                 tail=np.where(cs == 0, cupd, 0.0),
-                 hop=c_compute / len(ub_list) + cb.input[cs] / hand)
-    return fwd, bwd, crit, (len(uf_list), len(ub_list))
+    parts = []
+    for gpu_opt in ((False, True) if options else (False,)):
+        c_mem = cb.pack_memory(cs, ce)
+        c_upd = profile.cpu_update_time(cs, ce) * hw.cpu_optimizer_scale / replicas
+        c_k, c_w = profile.optimizer_bytes(cs, ce), profile.param_bytes(cs, ce)
+        keep = np.ones(len(cs), bool) if not gpu_opt else (
+            (c_mem + c_k <= cap) & ((cs == 0) | (c_upd > c_k / bw_in + (c_w + c_k) / bw_out)))
+        s_, e_ = cs[keep], ce[keep]
+        c_compute = sum_over(cb_parts, count_b, lambda c: c.pack_time(s_, e_))
+        cw = profile.param_bytes(s_, e_)
+        ck = profile.optimizer_bytes(s_, e_)
+        c_wb = cw + profile.buffer_bytes(s_, e_)
+        c_x = sum_over(cb_parts, count_b, lambda c: c.input[s_])
+        c_h2d = c_wb + np.where((s_ == 0) | via_host | rebatch, c_x, 0)
+        grads = cw / replicas
+        tail = np.where(s_ == 0, profile.cpu_update_time(s_, e_) * hw.cpu_optimizer_scale / replicas, 0.0)
+        if gpu_opt:
+            c_h2d = c_h2d + ck
+            grads = (cw + ck) / replicas
+            c_compute = c_compute + (3 * cw + 2 * ck) / hw.gpu_optimizer_bandwidth
+            tail = np.zeros(len(s_))
+        c_d2h = grads + np.where((s_ > 0) & via_host, c_x, 0)
+        parts.append(_arcs(s_, e_, c_compute, c_h2d, c_d2h, bw_in, bw_out, link,
+                           first_load=np.where(s_ == 0, c_wb / bw_in, 0.0), tail=tail,
+                           hop=c_compute / len(ub_list) + cb.input[s_] / hand,
+                           recompute=np.ones(len(s_), bool), gpu_opt=np.full(len(s_), gpu_opt)))
+    crit = Arcs.concat(parts)
+    saved = np.asarray(cf.saved, dtype=np.float64) if stash_ok else None
+    return Phases(fwd, bwd, crit, (len(uf_list), len(ub_list)), fwd_mem, saved, int(cap))
 
 
-def _arcs(s, e, compute, h2d, d2h, bw_in, bw_out, link, first_load, tail, hop) -> Arcs:
+def _arcs(s, e, compute, h2d, d2h, bw_in, bw_out, link, first_load, tail, hop, recompute=None, gpu_opt=None) -> Arcs:
     compute = np.asarray(compute, dtype=np.float64)
     h2d = np.asarray(h2d, dtype=np.float64)
     d2h = np.asarray(d2h, dtype=np.float64)
     task = np.maximum(compute, np.maximum(h2d / bw_in, d2h / bw_out))
     return Arcs(np.asarray(s, int), np.asarray(e, int), compute, h2d, d2h, task,
                 np.asarray(first_load, np.float64), np.asarray(tail, np.float64),
-                np.asarray(hop, np.float64), h2d / link, d2h / link)
+                np.asarray(hop, np.float64), h2d / link, d2h / link, recompute, gpu_opt)

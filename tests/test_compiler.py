@@ -225,14 +225,17 @@ def two_rank_program() -> Program:
     return compile_plan(make_plan(gpus=2, ub=1), layer_bytes=sizes(6))
 
 
-def test_missing_receive_is_caught():
+@pytest.mark.parametrize("kind, message", [(Kind.RECV, r"send to rank \d \(tag \d+\) has no matching receive"),
+                                           (Kind.SEND, r"receive from rank \d \(tag \d+\) has no matching send")])
+def test_message_without_its_partner_is_caught(kind, message):
     program = two_rank_program()
-    r, idx = next((r, i) for r, ins in enumerate(program.ranks) for i, x in enumerate(ins) if x.kind is Kind.RECV)
+    r, idx = next((r, i) for r, ins in enumerate(program.ranks) for i, x in enumerate(ins) if x.kind is kind)
     ins = list(program.ranks[r])
     dropped = ins.pop(idx)
     ins = [x.replace(waits_on=tuple(w for w in x.waits_on if w != dropped.id)) for x in ins]
-    with pytest.raises(ProgramError, match="no matching receive"):
+    with pytest.raises(ProgramError, match=message) as e:
         validate_program(replace(program, r, ins))
+    assert "<-- ERROR HERE" in str(e.value)
 
 
 def test_use_before_arrival_is_caught():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -18,10 +19,20 @@ from harmony_opt.compiler import compile_plan
 from harmony_opt.decompose import ClassificationLoss, LayeredModel, run_layers
 from harmony_opt.errors import ProgramError, RuntimeMemoryError
 from harmony_opt.plan import PackOptions, Plan
-from harmony_opt.program import Kind, Program
+from harmony_opt.program import Kind, Program, Tensor
 from harmony_opt.train import batch_seed, train
 
 STEPS = 10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: faster on these tiny models, and no spin-waiting collapse when other
+    processes share the cores (as the rank processes already do)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _mlp_batch(batch: int, gen: torch.Generator):
@@ -95,26 +106,55 @@ CASES = {
     "gpt2-vpp-ufwd2-ubwd1-stash-adam": ("gpt2", plan("vPP", 1, 4, 2, 1, [(0, 2), (3, 4)],
                                                      [(0, 2), (3, 4), (5, 7)], 8, (NO_RC, NO_RC, NO_RC)), ADAM),
     "gpt2-vdp-recompute-sgd": ("gpt2", plan("vDP", 1, 4, 4, 2, [(0, 4)], [(0, 1), (2, 4), (5, 7)], 8), SGD),
-    # two ranks: one process each (kept few: starting processes is the slow part)
+    # two ranks: one process each (kept few: starting processes is the slow part; GPT-2 first, so the
+    # fork server starts once, with transformers imported, and the MLP runs reuse it)
+    "gpt2-vpp-2ranks-stash-send-adam": ("gpt2", plan("vPP", 2, 4, 2, 1, [(0, 2), (3, 4)],
+                                                     [(0, 1), (2, 4), (5, 7)], 8), ADAM),
     "mlp-vpp-2ranks-ufwd4-ubwd2-adam": ("mlp", plan("vPP", 2, 8, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)],
                                                     6, (NO_RC, GPU_OPT, PackOptions())), ADAM),
     "mlp-vdp-2ranks-uneven-sgd": ("mlp", plan("vDP", 2, 7, 2, 3, [(0, 3)], [(0, 1), (2, 3), (4, 5)], 6,
                                               (NO_RC, PackOptions(), GPU_OPT)), SGD),
-    "gpt2-vpp-2ranks-stash-send-adam": ("gpt2", plan("vPP", 2, 4, 2, 1, [(0, 2), (3, 4)],
-                                                     [(0, 1), (2, 4), (5, 7)], 8), ADAM),
+    "mlp-vdp-2ranks-recompute-adam": ("mlp", plan("vDP", 2, 8, 2, 4, [(0, 1), (2, 3)], [(0, 0), (1, 3), (4, 5)],
+                                                  6), ADAM),
 }
+
+
+def kept_packs(p: Plan) -> set:
+    """Backward packs whose forward graph is kept (recompute off; the loss pack always recomputes)."""
+    return {p.packs_bwd[j] for j, o in enumerate(p.options) if not o.recompute and j < len(p.packs_bwd) - 1}
+
+
+def test_cases_cover_both_modes_both_rank_counts_and_recompute_on_and_off():
+    seen = set()
+    for _, p, _ in CASES.values():
+        if set(p.packs_bwd[:-1]) - kept_packs(p):           # the loss pack always recomputes: not counted
+            seen.add((p.mode, p.gpus, "recompute"))
+        if kept_packs(p):
+            seen.add((p.mode, p.gpus, "kept graph"))
+    assert seen == {(m, g, rc) for m in ("vPP", "vDP") for g in (1, 2) for rc in ("recompute", "kept graph")}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_executor_matches_plain_pytorch(name):
     kind, p, factory = CASES[name]
     model = mlp() if kind == "mlp" else gpt2()
+    initial = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in model.layers]
     want = reference(copy.deepcopy(model), p.batch, factory)
+    assert min(layer_errors(initial, want)) > 1e-3          # training moved every layer: the check can fail
     res = train(model, p, steps=STEPS, optimizer=factory, progress=False)
     errs = layer_errors(res.weights, want)
     assert max(errs) < 1e-5, (name, errs)
     assert len(res.losses) == STEPS and len(res.peak_device_bytes) == p.gpus
     assert all(b > 0 for b in res.peak_device_bytes if p.mode == "vDP" or p.gpus == 1)
+    # recompute off really kept the forward graph; every other pack recomputed
+    instrs = [x for ins in res.program.ranks for x in ins]
+    assert {x.layers for x in instrs if x.kind is Kind.BWD and x.tensor is Tensor.SA} == kept_packs(p)
+    assert {x.layers for x in instrs if x.kind is Kind.REC} == set(p.packs_bwd) - kept_packs(p)
+    # one process per rank, joined by torch.distributed over Gloo; one rank runs in the caller
+    if p.gpus == 1:
+        assert res.rank_pids == [os.getpid()] and res.backend is None
+    else:
+        assert len(set(res.rank_pids)) == p.gpus and os.getpid() not in res.rank_pids and res.backend == "gloo"
 
 
 def test_kept_graph_is_used_when_possible():
@@ -152,10 +192,23 @@ def test_batchnorm_statistics_are_updated_once_per_forward():
 def test_memory_guard_names_the_instruction():
     p = plan("vPP", 1, 8, 4, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
     with pytest.raises(RuntimeMemoryError, match=r"rank 0: instruction \d+:\w+\[\d+-\d+\].* over the memory cap "
-                                                 r"of 3000 bytes"):
+                                                 r"of 3000 bytes") as e:
         train(mlp(), p, steps=2, memory_cap=3000, progress=False)
+    assert "<-- ERROR HERE" in str(e.value)
     res = train(mlp(), p, steps=1, progress=False)
     assert res.peak_device_bytes[0] > 3000
+
+
+def test_memory_guard_of_a_rank_process_reaches_the_caller():
+    """Rank 1 needs more than the cap, rank 0 less: rank 1's error comes back with its type, and the
+    launcher stops rank 0 (blocked on a message rank 1 never sends)."""
+    p = plan("vPP", 2, 8, 4, 4, [(0, 0), (1, 3)], [(0, 0), (1, 3), (4, 5)], 6)
+    peaks = train(mlp(), p, steps=1, progress=False).peak_device_bytes
+    assert peaks[1] > peaks[0]
+    cap = (peaks[0] + peaks[1]) // 2
+    with pytest.raises(RuntimeMemoryError, match=rf"^rank 1: instruction \d+:\w+\[\d+-\d+\].* over the "
+                                                 rf"memory cap of {cap} bytes"):
+        train(mlp(), p, steps=2, memory_cap=cap, progress=False)
 
 
 def _executor(program: Program, model: LayeredModel):
@@ -190,3 +243,10 @@ def test_unknown_instruction_kind_is_an_error(monkeypatch):
     with pytest.raises(ProgramError, match="does not understand instruction .*D"):
         ex.run_iteration(0, x, y)
     ex.close()
+
+
+def test_rank_processes_preload_the_modules_of_the_layer_classes():
+    from runtime.worker import layer_modules
+
+    assert layer_modules(mlp().layers) == ["harmony_opt.decompose"]       # torch's own modules are preloaded anyway
+    assert "transformers.models.gpt2.modeling_gpt2" in layer_modules(gpt2().layers)

@@ -16,6 +16,16 @@ from harmony_opt.plan import PackOptions, Plan
 from harmony_opt.train import batch_seed, train
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: faster on these tiny models, and no spin-waiting collapse when other
+    processes share the cores (as the rank processes already do)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _batch(batch: int, gen: torch.Generator):
     return torch.randn(batch, 8, generator=gen), torch.randint(4, (batch,), generator=gen)
 
@@ -57,20 +67,24 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
-def test_two_rank_checkpoint_gathers_every_ranks_optimizer_state(tmp_path):
-    plan = make_plan(mode="vDP", gpus=2, batch=6, microbatch_fwd=3, microbatch_bwd=1)
+@pytest.mark.parametrize("mode", ["vDP", "vPP"])
+def test_two_rank_checkpoint_gathers_every_ranks_optimizer_state(tmp_path, mode):
+    plan = make_plan(mode=mode, gpus=2, batch=6, microbatch_fwd=3, microbatch_bwd=1)
     full = train(mlp(), plan, steps=4, progress=False)
     train(mlp(), plan, steps=2, checkpoint_dir=tmp_path, progress=False)
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert sorted(state["optimizer"]) == ["0-1", "2-2", "3-4"]       # packs updated on ranks 0, 1 and 0
+    assert all(s["state"] for s in state["optimizer"].values())        # Adam moments of every pack
     rest = train(mlp(), plan, steps=4, checkpoint_dir=tmp_path, resume=True, progress=False)
     assert same(rest.weights, full.weights) and rest.losses == full.losses
 
 
 def test_resume_with_given_data_skips_the_batches_already_used(tmp_path):
+    import harmony_opt
+
     plan = make_plan()
     data = [_batch(6, torch.Generator().manual_seed(100 + s)) for s in range(4)]
-    full = train(mlp(), plan, data, steps=4, optimizer="sgd", progress=False)
+    full = harmony_opt.train(mlp(), plan, data, steps=4, optimizer="sgd", progress=False)   # the package's API
     train(mlp(), plan, data[:2], steps=2, optimizer="sgd", checkpoint_dir=tmp_path, checkpoint_every=1,
           progress=False)
     rest = train(mlp(), plan, data, steps=4, optimizer="sgd", checkpoint_dir=tmp_path, resume=True, progress=False)
@@ -187,25 +201,71 @@ def test_result_reports_speed_and_memory():
 
 # -- command line -------------------------------------------------------------------------------------------
 
+GPT2_PLAN = {"version": 1, "planner": "manual", "mode": "vPP", "gpus": 1, "batch": 4,
+             "microbatch": {"fwd": 2, "bwd": 1}, "packs": {"fwd": [[0, 2], [3, 4]], "bwd": [[0, 2], [3, 4], [5, 7]]},
+             "num_layers": 8, "memory_cap": 10**8, "profile": {"name": "gpt2-tiny"}}
+
+
+def write_plan(path, **changes):
+    path.write_text(json.dumps({**GPT2_PLAN, **changes}))
+    return str(path)
+
+
 def test_cli_compile_and_run_with_checkpoint(tmp_path, capsys):
-    plan = {"version": 1, "planner": "manual", "mode": "vPP", "gpus": 1, "batch": 4,
-            "microbatch": {"fwd": 2, "bwd": 1}, "packs": {"fwd": [[0, 2], [3, 4]], "bwd": [[0, 2], [3, 4], [5, 7]]},
-            "num_layers": 8, "memory_cap": 10**8}
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan))
-    assert main(["compile", str(path), "-o", str(tmp_path / "prog.json"), "--model", "gpt2-tiny"]) == 0
+    path = write_plan(tmp_path / "plan.json")
+    assert main(["compile", path, "-o", str(tmp_path / "prog.json"), "--model", "gpt2-tiny"]) == 0
     out = capsys.readouterr().out
     assert "rank 0:" in out and "peak" in out and (tmp_path / "prog.json").is_file()
-    assert main(["compile", str(path), "-o", str(tmp_path / "p2.json"), "--model", "gpt2-tiny",
+    assert main(["compile", path, "-o", str(tmp_path / "p2.json"), "--model", "gpt2-tiny",
                  "--memory-cap", "100kB"]) == 2
     assert "over the cap of 100000 bytes" in capsys.readouterr().err
     ck = tmp_path / "ck"
-    assert main(["run", str(path), "--model", "gpt2-tiny", "--steps", "2", "--checkpoint", str(ck)]) == 0
+    assert main(["run", path, "--model", "gpt2-tiny", "--steps", "2", "--checkpoint", str(ck),
+                 "--program", str(tmp_path / "prog.json")]) == 0
     out, err = capsys.readouterr()
     assert "gpt2-tiny: steps 0..1" in out and "samples/s" in out
-    assert "loss=" in err and "samples_s=" in err                       # the progress bar
-    assert main(["run", str(path), "--model", "gpt2-tiny", "--steps", "3", "--checkpoint", str(ck), "--resume",
+    bar = err.replace("\r", "\n").splitlines()
+    assert any("2/2" in x and "loss " in x and "samples/s" in x for x in bar), err     # the progress bar
+    assert main(["run", path, "--model", "gpt2-tiny", "--steps", "3", "--checkpoint", str(ck), "--resume",
                  "--no-progress"]) == 0
     assert "steps 2..2" in capsys.readouterr().out
-    assert main(["run", str(path), "--model", "gpt2-tiny", "--resume"]) == 2
+    # the resumed run ends exactly where an uninterrupted one does
+    assert main(["run", path, "--model", "gpt2-tiny", "--steps", "3", "--checkpoint", str(tmp_path / "full"),
+                 "--no-progress"]) == 0
+    a, b = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (ck, tmp_path / "full"))
+    assert a["step"] == b["step"] == 3 and a["losses"] == b["losses"]
+    assert same(a["layers"], b["layers"])
+    assert str(a["optimizer"]) == str(b["optimizer"])       # every Adam moment and step, bit for bit
+
+
+def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path, capsys):
+    """Each bad input: exit code 2, one line on stderr naming the problem, no step run, no checkpoint touched."""
+    good = write_plan(tmp_path / "plan.json")
+    ck = tmp_path / "ck"
+    assert main(["run", good, "--model", "gpt2-tiny", "--steps", "1", "--checkpoint", str(ck), "--no-progress"]) == 0
+    saved = (ck / "checkpoint.pt").read_bytes()
+    capsys.readouterr()
+    compile_plan(Plan.load(write_plan(tmp_path / "other.json", microbatch={"fwd": 4, "bwd": 2}))).save(
+        tmp_path / "other-prog.json")
+    six = write_plan(tmp_path / "six.json", num_layers=6, packs={"fwd": [[0, 2]], "bwd": [[0, 2], [3, 5]]})
+    bert = write_plan(tmp_path / "bert.json", profile={"name": "bert-tiny"})
+    cases = [
+        (["run", six, "--model", "gpt2-tiny"], "the plan has 6 layers but model 'gpt2-tiny' has 8"),
+        (["compile", six, "-o", str(tmp_path / "x.json"), "--model", "gpt2-tiny"], "six.json: the plan has 6 layers"),
+        (["run", bert, "--model", "gpt2-tiny"], "made from a profile of 'bert-tiny', not of model 'gpt2-tiny'"),
+        (["run", good, "--model", "gpt2-tiny", "--program", str(tmp_path / "other-prog.json")],
+         "the program was compiled from another plan"),
+        (["run", str(tmp_path / "other.json"), "--model", "gpt2-tiny", "--steps", "2", "--checkpoint", str(ck),
+          "--resume"], "was written for another plan"),
+        (["run", good, "--model", "gpt2-tiny", "--memory-cap", "20kB"],      # its progress bar is erased
+         "over the memory cap of 20000 bytes"),
+    ]
+    for argv, fragment in cases:
+        assert main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        shown = err.rsplit("\r", 1)[-1]          # what a terminal shows: an erased progress bar leaves nothing
+        assert shown.startswith("harmony-opt: error: ") and err.count("\n") == 1 and fragment in shown, (argv, err)
+        assert "steps 0.." not in out
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint.pt"] and (ck / "checkpoint.pt").read_bytes() == saved
+    assert main(["run", good, "--model", "gpt2-tiny", "--resume"]) == 2
     assert "--resume needs --checkpoint" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..bundled import load_profile
-from ..errors import HarmonyOptError, UsageError
+from ..errors import HarmonyOptError, PlanError, UsageError
 from ..hardware import get_hardware
 from ..plan import Plan
 
@@ -25,10 +25,15 @@ def _common(p):
 def register(sub):
     p = sub.add_parser("plan", help="search the fastest plan with CP-SAT")
     _common(p)
-    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole search")
+    p.add_argument("--time-limit", type=float, default=10.0,
+                   help="search budget in work seconds (deterministic; about wall seconds on 2 cores)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=1, help="CP-SAT workers (results depend on seed and workers only)")
     p.add_argument("--no-hint", action="store_true", help="do not warm-start from Harmony's search")
+    p.add_argument("--harmony-space", action="store_true",
+                   help="restrict to Harmony's decisions (u_fwd >= u_bwd, sizes dividing D, recompute, CPU optimizer)")
+    p.add_argument("--uneven", action="store_true", help="allow microbatch sizes that do not divide the minibatch")
+    p.add_argument("--no-compare", action="store_true", help="do not run the baselines after planning")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--quiet", action="store_true", help="do not print solver progress")
     p.set_defaults(func=_plan)
@@ -78,25 +83,40 @@ def _describe(plan: Plan) -> str:
 
 def _plan(args):
     from solver_models.planner import PlannerOptions, plan
-    if args.cost_model != "default":
-        raise UsageError("--cost-model harmony: the CP-SAT planner optimizes the default cost model; "
-                         "use `harmony-opt baseline --planner harmony --cost-model harmony` for Harmony's numbers")
     profile, hw = _inputs(args)
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, seed=args.seed,
-                          workers=args.workers, hint=not args.no_hint)
+                          workers=args.workers, hint=not args.no_hint, harmony_space=args.harmony_space,
+                          uneven=args.uneven, cost_model=args.cost_model)
     report = None if args.quiet else print
     p = plan(profile, hw, args.batch, opts, memory_cap=hw.gpu_memory_bytes, report=report)
     s = p.solver
-    print(f"plan: {_describe(p)}")
-    print(f"simulated iteration time {p.simulated_iteration_time_s:.4f} s   (CP-SAT objective "
-          f"{s['objective']:.4f} s, status {s['status']}, bound {s['bound']:.4f} s)")
+    print(f"plan: {_describe(p)}, {sum(not o.recompute for o in p.options)} stashed pack(s), "
+          f"{sum(o.optimizer == 'gpu' for o in p.options)} GPU optimizer step(s)")
+    print(f"simulated iteration time {p.simulated_iteration_time_s:.4f} s ({p.cost_model} cost model)")
+    if s["objective"] is not None:
+        gap = f"{s['gap']:.2%}" if s["gap"] is not None else "n/a"
+        fid = f"{s['fidelity']:.2%}" if s["fidelity"] is not None else "n/a"
+        print(f"CP-SAT {s['model']} model: objective {s['objective']:.4f} s, bound {s['bound']:.4f} s, gap {gap}, "
+              f"status {s['status']}; |objective - simulated| = {fid}")
     print(f"lower bound over all plans {s['lower_bound_s']:.4f} s, efficiency {p.stats['efficiency']:.3f}; "
           f"search {p.search_time_s:.2f} s")
     if s.get("speedup_over_harmony"):
         print(f"Harmony's search on the same inputs: {s['harmony_time_s']:.4f} s -> speed-up "
-              f"{s['speedup_over_harmony']:.3f}x")
+              f"{s['speedup_over_harmony']:.3f}x" + ("  (its plan was the best found)" if s["source"] ==
+                                                     "harmony-hint" else ""))
     if args.output:
         print(f"wrote {p.save(args.output)}")
+    if not args.no_compare and args.cost_model == "default":
+        df, _ = compare_table(profile, hw, args.batch, args.mode, args.gpus,
+                              planners=("harmony", "naive-swap", "l2l", "zero-offload"))
+        ours = {"planner": "cp-sat (this plan)", "mode": p.mode, "gpus": p.gpus, "u_fwd": p.microbatch_fwd,
+                "u_bwd": p.microbatch_bwd, "packs_fwd": len(p.packs_fwd), "packs_bwd": len(p.packs_bwd),
+                "iteration_s": round(p.simulated_iteration_time_s, 4), "efficiency": round(p.stats["efficiency"], 3),
+                "search_s": round(p.search_time_s, 2), "note": ""}
+        df = pd.concat([pd.DataFrame([ours]).astype({c: "Int64" for c in ("gpus", "u_fwd", "u_bwd", "packs_fwd",
+                                                                             "packs_bwd")}), df], ignore_index=True)
+        print("\ncomparison (same simulator, same inputs):")
+        print(df.drop(columns=["peak_GiB_per_gpu"], errors="ignore").fillna("").to_string(index=False))
 
 
 def _baseline(args):
@@ -130,11 +150,14 @@ def _simulate(args):
         hw = Hardware.from_dict(plan.hardware, f"{args.plan}: hardware")
     else:
         raise UsageError(f"{args.plan}: the plan names no hardware; pass --hardware")
-    if plan.cost_model == "harmony":
-        from ..harmony_compat import simulate_harmony
-        tl = simulate_harmony(plan, profile)
-    else:
-        tl = simulate(plan, profile, hw)
+    try:
+        if plan.cost_model == "harmony":
+            from ..harmony_compat import simulate_harmony
+            tl = simulate_harmony(plan, profile)
+        else:
+            tl = simulate(plan, profile, hw)
+    except PlanError as e:   # the plan does not fit this profile or hardware: say which file
+        raise PlanError(f"{args.plan}: {e}") from None
     moved = tl.bytes_moved()
     print(f"{plan.planner} plan: {_describe(plan)}")
     print(f"iteration time {tl.iteration_time:.6f} s ({plan.cost_model} cost model)")
@@ -147,8 +170,11 @@ def _simulate(args):
         print(f"wrote {tl.plot(args.plot, cap=plan.memory_cap or hw.gpu_memory_bytes)}")
 
 
-def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0):
-    """Every planner on the same inputs; returns (table, plans by name)."""
+def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, planners=None):
+    """Every planner on the same inputs; returns (table, plans by name).
+
+    ``planners``: names to run (default all: cp-sat and the baselines), so a caller that
+    sweeps modes runs the mode-independent baselines once."""
     from solver_models.planner import PlannerOptions, plan as cp_plan
 
     from ..baselines import PLANNERS
@@ -164,6 +190,8 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0):
         if name == "harmony":
             kw["mode"] = "vPP" if mode == "auto" else mode
         runs.append((name, lambda fn=fn, kw=kw: fn(profile, hw, batch, cap, **kw)))
+    if planners is not None:
+        runs = [r for r in runs if r[0] in planners]
     for name, run in runs:
         t0 = time.perf_counter()
         try:
@@ -185,7 +213,11 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0):
         })
     rows.append({"planner": "lower-bound", "iteration_s": round(bound, 4), "efficiency": 1.0,
                  "note": "no plan can be faster"})
-    return pd.DataFrame(rows), plans
+    df = pd.DataFrame(rows)
+    for col in ("gpus", "u_fwd", "u_bwd", "packs_fwd", "packs_bwd"):
+        if col in df:
+            df[col] = df[col].astype("Int64")     # whole numbers, blank where a planner failed
+    return df, plans
 
 
 def _compare(args):

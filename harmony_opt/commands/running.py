@@ -21,6 +21,9 @@ def register(sub):
     r = sub.add_parser("run", help="train a model with the plan's schedule (real tensors, CPU or GPUs)")
     r.add_argument("plan", help="plan JSON")
     r.add_argument("--model", required=True, help="built-in model name (e.g. gpt2-tiny)")
+    r.add_argument("--program", default=None, metavar="FILE",
+                   help="run this compiled program (from `harmony-opt compile`) instead of compiling the plan; "
+                        "it must come from the same plan and, when it carries sizes, the same model")
     r.add_argument("--steps", type=int, default=20, help="total steps, counted from step 0 (default 20)")
     r.add_argument("--batch-data", choices=["synthetic"], default="synthetic",
                    help="where minibatches come from: the model's seeded synthetic data")
@@ -52,12 +55,15 @@ def _compile(args):
 
         from runtime.shapes import measure_layer_bytes
 
+        from ..train import check_plan
+
         model = _model(args.model)
-        if plan.num_layers != len(model.layers):
-            raise PlanError(f"{args.plan} has {plan.num_layers} layers but model {args.model} has "
-                            f"{len(model.layers)}")
+        try:
+            check_plan(model, plan)
+        except PlanError as e:
+            raise PlanError(f"{args.plan}: {e}") from None
         x, y = model.make_batch(1, torch.Generator().manual_seed(0))
-        states = 2 if model.meta.get("optimizer", "adam") == "adam" else 1
+        states = 2 if model.meta.get("optimizer", "adam") in ("adam", "adamw") else 1
         sizes = measure_layer_bytes(model.layers, x, y, optimizer_states=states)
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else plan.memory_cap
     program = compile_plan(plan, layer_bytes=sizes)
@@ -72,6 +78,7 @@ def _compile(args):
 
 
 def _run(args):
+    from ..program import Program
     from ..train import train
 
     if args.steps < 0:
@@ -79,12 +86,13 @@ def _run(args):
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR")
     plan = Plan.load(args.plan)
+    program = Program.load(args.program) if args.program else None
     model = _model(args.model)
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else None
     res = train(model, plan, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
                 checkpoint_dir=Path(args.checkpoint) if args.checkpoint else None,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, memory_cap=cap,
-                progress=not args.no_progress, seed=args.seed)
+                progress=not args.no_progress, seed=args.seed, program=program)
     ran = res.steps - res.start_step
     if ran == 0:
         print(f"nothing to do: the checkpoint is at step {res.start_step} of {res.steps}")

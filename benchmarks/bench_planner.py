@@ -1,0 +1,126 @@
+"""Benchmark: the CP-SAT planner against Harmony's search on 18 cases, both judged by our simulator.
+
+Cases (issue #4): the six shipped profiles at the Table 1 settings (D = 64, vPP, 4 GPUs,
+cap 9e9 bytes for bert_96 and gpt2_xl, 10 GiB otherwise) and at D = 32 on 2 GPUs in
+both modes (10 GiB). For each case:
+
+* ``harmony``: Harmony's search at the case's mode and GPU count with its published
+  packing heuristics, scored by the default simulator;
+* ``ours``: the CP-SAT planner with the full decision space on the case's hardware (up to
+  the case's GPUs; mode, GPU count, microbatch sizes, packs and per-pack options chosen);
+* ``ours_harmony_space``: the CP-SAT planner restricted to Harmony's space (the case's
+  mode and GPUs, u_fwd >= u_bwd, sizes dividing D, recompute, CPU optimizer) under
+  Harmony's own cost model, against Harmony's search with every packing heuristic.
+
+Columns: simulated times, the CP-SAT objective of the returned plan and its fidelity
+(|objective - simulated| / simulated), CP-SAT's bound for the chosen configuration and the
+gap, wall search time, speed-up = harmony / ours, efficiency = lower bound / simulated.
+
+    python benchmarks/bench_planner.py [--time-limit 10] [--only gpt2_xl]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from harmony_opt.baselines import plan_harmony  # noqa: E402
+from harmony_opt.bundled import load_profile  # noqa: E402
+from harmony_opt.hardware import get_hardware  # noqa: E402
+from harmony_opt.io import atomic_write_text  # noqa: E402
+from solver_models.planner import PlannerOptions, plan  # noqa: E402
+
+GiB = 2**30
+MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")
+
+
+def cases():
+    for m in MODELS:
+        yield m, 64, "vPP", 4, int(9e9 if m in ("bert_96", "gpt2_xl") else 10 * GiB)
+    for m in MODELS:
+        for mode in ("vPP", "vDP"):
+            yield m, 32, mode, 2, 10 * GiB
+
+
+def run_case(model, batch, mode, gpus, cap, time_limit, workers) -> dict:
+    profile = load_profile(model)
+    hw = get_hardware("1080ti-x4").with_gpus(gpus)
+    t0 = time.perf_counter()
+    hp = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=gpus)
+    harmony_s = time.perf_counter() - t0
+    ours = plan(profile, hw, batch, PlannerOptions(time_limit=time_limit, workers=workers, uneven=True),
+                memory_cap=cap)
+    s = ours.solver
+    row = {
+        "model": model, "batch": batch, "mode": mode, "gpus": gpus, "cap_bytes": cap,
+        "harmony_time_s": hp.simulated_iteration_time_s, "harmony_search_s": harmony_s,
+        "ours_time_s": ours.simulated_iteration_time_s,
+        "ours_config": f"{ours.mode} x{ours.gpus} u={ours.microbatch_fwd}/{ours.microbatch_bwd} "
+                       f"{len(ours.packs_fwd)}F/{len(ours.packs_bwd)}B "
+                       f"stash={sum(not o.recompute for o in ours.options)} gpu_opt={sum(o.optimizer == 'gpu' for o in ours.options)}",
+        "ours_objective_s": s["objective"], "fidelity": s["fidelity"], "ours_status": s["status"],
+        "ours_bound_s": s["bound"], "ours_gap": s["gap"], "ours_search_s": ours.search_time_s,
+        "speedup": hp.simulated_iteration_time_s / ours.simulated_iteration_time_s,
+        "lower_bound_s": s["lower_bound_s"], "efficiency": s["lower_bound_s"] / ours.simulated_iteration_time_s,
+    }
+    # Harmony's decision space under Harmony's cost model
+    t0 = time.perf_counter()
+    h_all = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=gpus, packing_fwd="all", packing_bwd="all",
+                         cost_model="harmony")
+    h_pub = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=gpus, cost_model="harmony")
+    hs = plan(profile, hw, batch, PlannerOptions(mode=mode, gpus=gpus, time_limit=time_limit, workers=workers,
+                                                 harmony_space=True, cost_model="harmony"), memory_cap=cap)
+    row.update({
+        "hspace_harmony_all_s": h_all.simulated_iteration_time_s,
+        "hspace_harmony_published_s": h_pub.simulated_iteration_time_s,
+        "hspace_ours_s": hs.simulated_iteration_time_s,
+        "hspace_gain_over_published": h_pub.simulated_iteration_time_s / hs.simulated_iteration_time_s,
+        "hspace_never_slower": hs.simulated_iteration_time_s <= h_all.simulated_iteration_time_s * (1 + 1e-9),
+        "hspace_search_s": time.perf_counter() - t0,
+    })
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--only", help="run one model only")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner"))
+    a = ap.parse_args(argv)
+    rows = []
+    for case in cases():
+        if a.only and case[0] != a.only:
+            continue
+        row = run_case(*case, a.time_limit, a.workers)
+        rows.append(row)
+        print(f"{row['model']:11s} D={row['batch']} {row['mode']} x{row['gpus']}: harmony {row['harmony_time_s']:.3f} s, "
+              f"ours {row['ours_time_s']:.3f} s ({row['ours_config']}), speed-up {row['speedup']:.3f}, "
+              f"fidelity {row['fidelity']:.3f}, gap {row['ours_gap']}, {row['ours_search_s']:.1f} s | "
+              f"harmony space: all {row['hspace_harmony_all_s']:.3f} ours {row['hspace_ours_s']:.3f}", flush=True)
+    df = pd.DataFrame(rows)
+    if a.only:
+        print(df.to_string())
+        return 0
+    out = Path(a.out)
+    df.to_csv(out.with_suffix(".csv"), index=False, float_format="%.6g")
+    med = statistics.median(df.speedup)
+    summary = (f"\n\nMedian speed-up over Harmony's search (default cost model, full space): {med:.3f}; "
+               f"minimum {df.speedup.min():.3f}. Median fidelity {df.fidelity.median():.3f}, max {df.fidelity.max():.3f}. "
+               f"Harmony space (Harmony's cost model): never slower than Harmony with all heuristics in "
+               f"{int(df.hspace_never_slower.sum())}/{len(df)} cases; median gain over the published configuration "
+               f"{df.hspace_gain_over_published.median():.3f}. Max search time {df.ours_search_s.max():.1f} s.\n")
+    atomic_write_text(out.with_suffix(".md"), df.to_markdown(index=False, floatfmt=".4g") + summary)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
