@@ -47,15 +47,20 @@ def check_layers_fit(profile: Profile, phase: str, u: int, cap: int, reserve: in
 
 
 def explain_infeasible(profile: Profile, cap: int, sizes_fwd, sizes_bwd, reserve_of=lambda phase, u: 0) -> InfeasibleError:
-    """The smallest infeasible piece: at the smallest microbatch size, the layer that does not fit."""
+    """The smallest infeasible piece: at the smallest microbatch size, the layer that does not fit.
+
+    With no size to search in a phase, its smallest profiled size stands in: a layer too large
+    there is too large at every size, which is the more useful thing to say."""
     for phase, sizes in (("BWD", sizes_bwd), ("FWD", sizes_fwd)):
-        if len(sizes) == 0:
-            continue
-        u = int(min(sizes))
+        u = int(min(sizes)) if len(sizes) else profile.size_range(phase)[0]
         try:
             check_layers_fit(profile, phase, u, cap, reserve_of(phase, u))
         except InfeasibleError as e:
             return e
+    if len(sizes_fwd) == 0 or len(sizes_bwd) == 0:
+        (fl, fh), (bl, bh) = profile.size_range("FWD"), profile.size_range("BWD")
+        return InfeasibleError(f"no microbatch size of {profile.name} to search: sizes must be profiled (FWD {fl}..{fh}, "
+                               f"BWD {bl}..{bh}) and divide the samples per GPU; change the batch or the GPU count")
     return InfeasibleError(f"no plan of {profile.name} fits a memory cap of {fmt_bytes(cap)} with the "
                            f"requested options; every layer fits alone, so try another mode, more GPUs or "
                            f"a larger cap", cap_bytes=int(cap))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import PlanError, UsageError
+from ..errors import PlanError, ProgramError, UsageError
 
 
 def register(sub):
@@ -59,7 +59,10 @@ def _check(args):
     elif kind == "program":
         from ..program import Program, validate_program
         prog = Program.load(path)
-        stats = validate_program(prog, cap_bytes=cap)
+        try:
+            stats = validate_program(prog, cap_bytes=cap)
+        except ProgramError as e:
+            raise ProgramError(f"{path}: {e}") from None
         print(f"ok: program for {prog.gpus} rank(s), {sum(stats.instructions)} instructions")
     else:
         _check_plan(path, args, cap)

@@ -81,6 +81,11 @@ def _describe(plan: Plan) -> str:
             f"{len(plan.packs_fwd)} forward + {len(plan.packs_bwd)} backward packs")
 
 
+def _show(df: pd.DataFrame) -> str:
+    """The table with blanks where a planner has no value (pandas prints <NA> otherwise)."""
+    return df.astype(object).where(df.notna(), "").to_string(index=False)
+
+
 def _plan(args):
     from solver_models.planner import PlannerOptions, plan
     profile, hw = _inputs(args)
@@ -116,7 +121,7 @@ def _plan(args):
         df = pd.concat([pd.DataFrame([ours]).astype({c: "Int64" for c in ("gpus", "u_fwd", "u_bwd", "packs_fwd",
                                                                              "packs_bwd")}), df], ignore_index=True)
         print("\ncomparison (same simulator, same inputs):")
-        print(df.drop(columns=["peak_GiB_per_gpu"], errors="ignore").fillna("").to_string(index=False))
+        print(_show(df.drop(columns=["peak_GiB_per_gpu"], errors="ignore")))
 
 
 def _baseline(args):
@@ -225,7 +230,7 @@ def _compare(args):
     df, plans = compare_table(profile, hw, args.batch, args.mode, args.gpus, args.time_limit)
     print(f"{profile.name}, minibatch {args.batch}, {hw.name} (cap {hw.gpu_memory_bytes / 2**30:.2f} GiB), "
           f"default cost model")
-    print(df.fillna("").to_string(index=False))
+    print(_show(df))
     if args.output:
         from ..io import atomic_write_text
         atomic_write_text(args.output, df.to_csv(index=False))
