@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +210,12 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2) + "\n"
+        """The plan file: the same inputs, seed and worker count give the same bytes.
+
+        Wall-clock measurements (``search_time_s``, any ``wall_time_s``) describe the machine
+        and its load, not the plan, so they are written as null (the Plan object and the
+        command's output keep them); NaN and infinities, which JSON lacks, become null too."""
+        return json.dumps(_canonical(self.to_dict()), indent=2, allow_nan=False) + "\n"
 
     def save(self, path: str | Path) -> Path:
         from .io import atomic_write_text
@@ -268,6 +274,22 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(f"{path}: line {e.lineno}: not valid JSON ({e.msg}); was the file cut short?") from None
         return cls.from_dict(d, str(path))
+
+
+#: Keys whose values are wall-clock times: never written to a plan file (see Plan.to_json).
+WALL_CLOCK_KEYS = frozenset({"search_time_s", "wall_time_s"})
+
+
+def _canonical(v, key: str | None = None):
+    if key in WALL_CLOCK_KEYS:
+        return None
+    if isinstance(v, dict):
+        return {k: _canonical(x, k) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_canonical(x) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
 
 
 def _json_name(field: str) -> str:
