@@ -110,7 +110,7 @@ def main(argv=None):
         print(df.to_string())
         return 0
     out = Path(a.out)
-    df.to_csv(out.with_suffix(".csv"), index=False, float_format="%.6g")
+    atomic_write_text(out.with_suffix(".csv"), df.to_csv(index=False, float_format="%.6g"))
     med = statistics.median(df.speedup)
     summary = (f"\n\nMedian speed-up over Harmony's search (default cost model, full space): {med:.3f}; "
                f"minimum {df.speedup.min():.3f}. Median fidelity {df.fidelity.median():.3f}, max {df.fidelity.max():.3f}. "
