@@ -128,9 +128,8 @@ class _Expansion:
         self.events: list[_Event] = []
         self.streams: dict[tuple[int, str], list[int]] = defaultdict(list)
         self.R = profile.num_layers
-        # stash layers: first layer of every backward pack except the one holding the loss
-        self.stash_first = {p[0]: i for i, p in enumerate(plan.packs_bwd[:-1])}
         self.collectives: dict[tuple, list[int]] = {}   # (sweep, BWD task) -> its all-reduce on every replica
+        self.host_sums: dict[tuple, list] = {}   # (sweep, UPD task) -> (update, gradient swap-out) per replica
         self.sweep = 0
 
     # -- memory rules ------------------------------------------------------------------------
@@ -200,6 +199,11 @@ class _Expansion:
                 for j, u in enumerate(sweeps):
                     self.sweep = j
                     self._build_copy(tasks, c, u, state, j == len(sweeps) - 1)
+        # without a GPU link, each replica's CPU sums every replica's gradient: it waits for all of them
+        for group in self.host_sums.values():
+            grads = [g for _, g in group]
+            for upd, _ in group:
+                self.events[upd].deps += [g for g in grads if g not in self.events[upd].deps]
 
     def _build_copy(self, tasks: list[Task], copy: int | None, share: int, last_task_on_rank: dict,
                     with_update: bool) -> None:
@@ -213,9 +217,9 @@ class _Expansion:
         src_of_bwd = [int(np.searchsorted(fwd_end, e, side="left")) for e in np.cumsum(ub)]
         rank_of = (lambda t: copy) if copy is not None else (lambda t: t.rank)
         n_ranks = plan.gpus
-        y_out: dict[int, list] = {}        # FWD task index -> per microbatch (event receiver waits for, rank)
-        stash_out: dict[int, list] = {}    # stash layer -> per forward microbatch d2h event
-        dx_out: dict[int, list] = {}       # BWD task index -> per microbatch (event, rank)
+        y_out: dict[int, list] = {}        # FWD task index -> per microbatch (event receiver waits for, via host)
+        stash_out: dict[int, dict] = {}    # BWD pack -> FWD task index -> per forward microbatch d2h event
+        dx_out: dict[int, list] = {}       # BWD task index -> per microbatch (event, via host)
         dw_done: dict[int, int] = {}       # BWD task index -> event after which the update may run
         prev_fb = None
         for t in tasks:
@@ -228,7 +232,8 @@ class _Expansion:
             left = last_task_on_rank.get(r)
             u_list = uf if t.kind == "F" else ub
             phase = "FWD" if t.kind == "F" else "BWD"
-            costs = prof.costs(phase, plan.microbatch_fwd if t.kind == "F" else plan.microbatch_bwd)
+            nominal = plan.microbatch_fwd if t.kind == "F" else plan.microbatch_bwd
+            costs = prof.costs(phase, nominal)
             mem = self.task_memory(plan, prof, t)
             wb = self.weight_bytes(a, b)
             # weights: prefetch once the previous task on this rank computes, else after it ends
@@ -246,15 +251,15 @@ class _Expansion:
             computes, outs, stash_evs = [], [], {}
             task_outputs = []
             for i, u in enumerate(u_list):
-                ci = prof.costs(phase, u) if u != u_list[0] else costs
+                ci = costs if u == nominal else prof.costs(phase, u)
                 # -- input of microbatch i
                 in_dep = []
                 if t.kind == "F":
                     if a == 0:
                         x_in = self.h2d(r, "X", t, i, int(ci.input[0]), self._buffer_deps(computes, i))
                     else:
-                        src_ev, src_rank = y_out[t.index - 1][i]
-                        if src_rank == r:   # same GPU, earlier task: it went to host, comes back
+                        src_ev, via_host = y_out[t.index - 1][i]
+                        if via_host:   # the output went to host memory: swap it in
                             x_in = self.h2d(r, "X", t, i, int(ci.input[a]), [src_ev] + self._buffer_deps(computes, i))
                         else:
                             x_in = src_ev
@@ -267,19 +272,18 @@ class _Expansion:
                             x_in = self.h2d(r, "X", t, i, int(ci.input[0]), self._buffer_deps(computes, i))
                         else:
                             last_f = t.index - 1
-                            src_ev, src_rank = y_out[last_f][src_of_bwd[i]]
-                            rebatch = plan.microbatch_fwd != plan.microbatch_bwd
-                            if src_rank == r or rebatch or self._via_host(src_rank, r):
+                            src_ev, via_host = y_out[last_f][src_of_bwd[i]]
+                            if via_host:
                                 x_in = self.h2d(r, "X", t, i, int(ci.input[a]), [src_ev] + self._buffer_deps(computes, i))
                             else:
                                 x_in = src_ev
                         in_dep.append(x_in)
                     else:
                         nbytes = int(ci.input[a]) if recompute else int(ci.pack_saved(a, b))
-                        src = stash_out[a][src_of_bwd[i]]
-                        in_dep.append(self.h2d(r, "sX", t, i, nbytes, [src] + self._buffer_deps(computes, i)))
-                        src_ev, src_rank = dx_out[prev_fb.index][i]
-                        if src_rank == r or self._via_host(src_rank, r):
+                        src = [piece[src_of_bwd[i]] for piece in stash_out[bi].values()]
+                        in_dep.append(self.h2d(r, "sX", t, i, nbytes, src + self._buffer_deps(computes, i)))
+                        src_ev, via_host = dx_out[prev_fb.index][i]
+                        if via_host:
                             in_dep.append(self.h2d(r, "dY", t, i, int(ci.input[b + 1]), [src_ev]))
                         else:
                             in_dep.append(src_ev)
@@ -297,33 +301,30 @@ class _Expansion:
                 computes.append(comp)
                 # -- outputs of microbatch i
                 if t.kind == "F":
-                    for l in range(a, b + 1):
-                        if l in self.stash_first:
-                            bi = self.stash_first[l]
-                            q = plan.packs_bwd[bi]
-                            nb = int(ci.input[l]) if plan.options[bi].recompute else int(ci.pack_saved(q[0], q[1]))
-                            ev = self.d2h(r, "sX", t, i, nb, [comp])
-                            stash_out.setdefault(l, []).append(ev)
-                            task_outputs.append(ev)
+                    for bi, lo, hi in self._stash_pieces(a, b):
+                        nb = int(ci.input[lo]) if plan.options[bi].recompute else int(ci.pack_saved(lo, hi))
+                        ev = self.d2h(r, "sX", t, i, nb, [comp])
+                        stash_out.setdefault(bi, {}).setdefault(t.index, []).append(ev)
+                        task_outputs.append(ev)
                     nxt = tasks[t.index + 1]
                     nr = rank_of(nxt)
                     rebatch = nxt.kind == "B" and plan.microbatch_fwd != plan.microbatch_bwd
                     if nr == r or rebatch or self._via_host(r, nr):
                         ev = self.d2h(r, "Y", t, i, int(ci.input[b + 1]), [comp])
-                        y_out.setdefault(t.index, []).append((ev, r))
+                        y_out.setdefault(t.index, []).append((ev, True))
                     else:
                         ev, _ = self.transfer(r, nr, "Y", t, i, int(ci.input[b + 1]), [comp])
-                        y_out.setdefault(t.index, []).append((ev, nr))
+                        y_out.setdefault(t.index, []).append((ev, False))
                     task_outputs.append(ev)
                 elif a > 0:
                     nxt = next((x for x in tasks[t.index + 1:] if x.kind == "B"), None)
                     nr = rank_of(nxt)
                     if nr == r or self._via_host(r, nr):
                         ev = self.d2h(r, "dX", t, i, int(ci.input[a]), [comp])
-                        dx_out.setdefault(t.index, []).append((ev, r))
+                        dx_out.setdefault(t.index, []).append((ev, True))
                     else:
                         ev, _ = self.transfer(r, nr, "dX", t, i, int(ci.input[a]), [comp])
-                        dx_out.setdefault(t.index, []).append((ev, nr))
+                        dx_out.setdefault(t.index, []).append((ev, False))
                     task_outputs.append(ev)
             if t.kind == "B":
                 done = self._gradients(t, r, computes[-1], k_in, copy)
@@ -334,6 +335,19 @@ class _Expansion:
             self.events[end].free_after = [mem]
             last_task_on_rank[r] = {"first_compute": computes[0], "end_marker": end}
             prev_fb = t
+
+    def _stash_pieces(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """What the forward of [a, b] sends to the host for the backward packs other than the last, as
+        (backward pack, first, last layer): a recompute pack's input if it is in [a, b]; a stash pack's
+        saved activations of its layers in [a, b] (a pack may span several forward packs)."""
+        out = []
+        for bi, (qa, qb) in enumerate(self.plan.packs_bwd[:-1]):
+            if self.plan.options[bi].recompute:
+                if a <= qa <= b:
+                    out.append((bi, qa, qa))
+            elif qa <= b and qb >= a:
+                out.append((bi, max(a, qa), min(b, qb)))
+        return out
 
     def _via_host(self, src_rank: int, dst_rank: int) -> bool:
         return src_rank != dst_rank and self.hw.p2p_bandwidth <= 0
@@ -376,7 +390,9 @@ class _Expansion:
             dur /= n_copies     # each rank's CPU steps its shard of the all-reduced gradient
         elif n_copies > 1:
             dur += (n_copies - 1) * int(prof.param_bytes(a, b)) / self.hw.host_copy_bandwidth / n_copies
-        self.add(r, "cpu", "UPD", t, 0, dur, 0, [dw_event])
+        upd = self.add(r, "cpu", "UPD", t, 0, dur, 0, [dw_event])
+        if n_copies > 1 and self.hw.p2p_bandwidth <= 0:
+            self.host_sums.setdefault((self.sweep, t.index), []).append((upd, dw_event))
 
     # -- the event loop -------------------------------------------------------------------------
     def run(self, with_timeline: bool) -> Timeline:
