@@ -376,7 +376,8 @@ class _Expansion:
             kb = int(prof.optimizer_bytes(a, b))
             step = self.add(r, "compute", "GPU_UPD", t, 0, (3 * w + 2 * kb) / self.hw.gpu_optimizer_bandwidth, 0,
                             deps + [k_in])
-            out = self.d2h(r, "WK", t, 0, (w + kb) // (n if n > 1 and self.hw.p2p_bandwidth > 0 else 1), [step])
+            shards = n if n > 1 and self.hw.p2p_bandwidth > 0 else 1   # each replica writes back its 1/n
+            out = self.d2h(r, "WK", t, 0, w // shards + kb // shards, [step])
             return out
         return self.d2h(r, "dW", t, 0, share, deps)
 
