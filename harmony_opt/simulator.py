@@ -1,8 +1,9 @@
 """Event-driven simulator of a Plan under the project's default cost model.
 
 It is the common judge: every planner's plan (CP-SAT and the baselines) is scored by
-it. ``simulate(plan, profile, hardware)`` expands the plan into events (see
-docs/cost_model.md for the exact rules) and plays them:
+it. ``simulate(plan, profile, hardware)`` expands the plan's task graph
+(taskgraph.compose: Harmony's tasks, each with its inputs and outputs and the medium
+each moves by) into events (see docs/cost_model.md for the exact rules) and plays them:
 
 * per rank the streams ``compute``, ``swap_in_w`` (weights), ``swap_in`` (activations),
   ``swap_out`` and ``p2p``; one ``cpu`` stream per rank for optimizer steps;
@@ -30,8 +31,10 @@ import numpy as np
 
 from .errors import PlanError
 from .hardware import Hardware
-from .plan import Plan, data_shares, split_microbatches
+from .plan import Plan
 from .profile import Profile
+from .taskgraph import (SOURCE_TENSOR, Medium, Task, TaskKind, TaskNode, Tensor, compose, placement, task_memories,
+                        task_memory)
 from .timeline import Timeline, memory_steps
 from .units import fmt_bytes
 
@@ -56,39 +59,12 @@ class _Event:
     free_after: list | None = None   # (bytes) released when this event ends
     start: float = -1.0
     end: float = -1.0
+    node: Task | None = None         # the task graph node it belongs to
+    peer: Task | None = None         # an activation's swap-out or P2P send: the task it is for
 
 
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """One unit of work: a pack's forward (F), backward (B) or CPU update (U) on a rank."""
-
-    kind: str
-    index: int          # position in the global (vPP) or per-rank (vDP) order
-    pack: tuple[int, int]
-    rank: int
-    bwd_index: int = -1  # index of the pack in plan.packs_bwd (B and U tasks)
-
-    def __str__(self):
-        return f"{self.kind}[{self.pack[0]}-{self.pack[1]}]@{self.rank}"
-
-
-def tasks_of(plan: Plan) -> list[Task]:
-    """Harmony's task order and placement (HARMONY_REFERENCE.md 5.1-5.2), for one copy.
-
-    FWD packs ascending, then BWD packs from last to first, each followed by its UPD.
-    vPP: the k-th FWD on GPU k mod N, the k-th BWD on (nF + k) mod N; vDP: rank 0's copy
-    (every rank runs the same list on its data share).
-    """
-    n = plan.gpus if plan.mode == "vPP" else 1
-    out = []
-    nf = len(plan.packs_fwd)
-    for k, p in enumerate(plan.packs_fwd):
-        out.append(Task("F", len(out), p, k % n))
-    for k, bi in enumerate(reversed(range(len(plan.packs_bwd)))):
-        rank = (nf + k) % n
-        out.append(Task("B", len(out), plan.packs_bwd[bi], rank, bi))
-        out.append(Task("U", len(out), plan.packs_bwd[bi], rank, bi))
-    return out
+#: Harmony's task order and placement for one copy (taskgraph.placement); kept under its old name.
+tasks_of = placement
 
 
 def simulate(plan: Plan, profile: Profile, hardware: Hardware, *, memory_cap: int | None = None,
@@ -108,10 +84,11 @@ def simulate(plan: Plan, profile: Profile, hardware: Hardware, *, memory_cap: in
 
 def check_memory(plan: Plan, profile: Profile, cap: int) -> None:
     """Every task alone must fit: its pack's working set at its microbatch size."""
-    for t in tasks_of(plan):
-        if t.kind == "U":
+    need_of = task_memories(plan, profile)
+    for t in placement(plan):
+        if t.kind == TaskKind.UPD:
             continue
-        need = _Expansion.task_memory(plan, profile, t)
+        need = need_of[t.index]
         if need > cap:
             raise PlanError(
                 f"plan {'forward' if t.kind == 'F' else 'backward'} pack [{t.pack[0]}, {t.pack[1]}] needs "
@@ -121,236 +98,148 @@ def check_memory(plan: Plan, profile: Profile, cap: int) -> None:
 
 
 class _Expansion:
-    """Builds the events of one iteration and runs them (one object per simulation)."""
+    """Builds the events of one iteration from the task graph and runs them (one object per simulation)."""
 
-    def __init__(self, plan: Plan, profile: Profile, hw: Hardware, cap: int, prefetch: bool):
+    def __init__(self, plan: Plan, profile: Profile, hw: Hardware, cap: int, prefetch: bool,
+                 nodes: list[TaskNode] | None = None):
         self.plan, self.prof, self.hw, self.cap, self.prefetch = plan, profile, hw, cap, prefetch
+        self.nodes = nodes          # taskgraph.compose(plan, profile, hw), made by build() if not given
         self.events: list[_Event] = []
         self.streams: dict[tuple[int, str], list[int]] = defaultdict(list)
         self.R = profile.num_layers
+        self.replicas = plan.gpus if plan.mode == "vDP" else 1
         self.collectives: dict[tuple, list[int]] = {}   # (sweep, BWD task) -> its all-reduce on every replica
-        self.host_sums: dict[tuple, list] = {}   # (sweep, UPD task) -> (update, gradient swap-out) per replica
-        self.sweep = 0
+        self.sent: dict[tuple, list[int]] = {}          # (producer, consumer, tensor) -> event per microbatch
+        self.grads: dict[Task, int] = {}                # BWD task -> event after which its gradient is out
+        self.reduced: dict[Task, int] = {}              # BWD task -> its all-reduce (vDP with a GPU link)
 
     # -- memory rules ------------------------------------------------------------------------
     @staticmethod
-    def task_memory(plan: Plan, prof: Profile, t: Task) -> int:
-        """Bytes a task holds on its GPU: Harmony's pack compute memory (weights, buffers, one
-        microbatch's activations, gradients and workspace) plus what the options add."""
-        a, b = t.pack
-        if t.kind == "F":
-            u = plan.microbatch_fwd
-            c = prof.costs("FWD", u)
-            mem = int(c.pack_memory(a, b))
-            # stash packs: activations of one microbatch wait on the GPU for their swap-out
-            for bi, (qa, qb) in enumerate(plan.packs_bwd[:-1]):
-                if not plan.options[bi].recompute and qa <= b and qb >= a:
-                    mem += int(c.pack_saved(max(a, qa), min(b, qb)))
-            return mem
-        u = plan.microbatch_bwd
-        c = prof.costs("BWD", u)
-        mem = int(c.pack_memory(a, b))
-        if plan.options[t.bwd_index].optimizer == "gpu":
-            mem += int(prof.optimizer_bytes(a, b))
-        return mem
-
-    def weight_bytes(self, a, b) -> int:
-        return int(self.prof.param_bytes(a, b) + self.prof.buffer_bytes(a, b))
+    def task_memory(plan: Plan, prof: Profile, t) -> int:
+        """Bytes a task holds on its GPU (taskgraph.task_memory)."""
+        return task_memory(plan, prof, t.kind, t.pack, t.bwd_index)
 
     # -- event helpers ---------------------------------------------------------------------------
-    def add(self, rank, stream, kind, task, mb, duration, nbytes=0, deps=(), start_deps=(), link=None,
-            alloc=0, free_after=None) -> int:
-        e = _Event(rank, stream, kind, task.index, f"{task.pack[0]}-{task.pack[1]}", mb, float(duration),
+    def add(self, rank, stream, kind, node, mb, duration, nbytes=0, deps=(), start_deps=(), link=None,
+            alloc=0, free_after=None, key=None, peer=None) -> int:
+        e = _Event(rank, stream, kind, node.index, f"{node.pack[0]}-{node.pack[1]}", mb, float(duration),
                    int(nbytes), [d for d in deps if d is not None], [d for d in start_deps if d is not None],
-                   link, int(alloc), free_after)
+                   link, int(alloc), free_after, node=node.task if key is None else key, peer=peer)
         self.events.append(e)
         eid = len(self.events) - 1
         self.streams[(rank, stream)].append(eid)
         return eid
 
-    def h2d(self, rank, kind, task, mb, nbytes, deps=(), start_deps=(), stream="swap_in", alloc=0):
-        return self.add(rank, stream, kind, task, mb, nbytes / self.hw.h2d_bandwidth, nbytes, deps, start_deps,
-                        _H2D, alloc)
+    def h2d(self, rank, kind, node, mb, nbytes, deps=(), start_deps=(), stream="swap_in", alloc=0, key=None):
+        return self.add(rank, stream, kind, node, mb, nbytes / self.hw.h2d_bandwidth, nbytes, deps, start_deps,
+                        _H2D, alloc, key=key)
 
-    def d2h(self, rank, kind, task, mb, nbytes, deps=()):
-        return self.add(rank, "swap_out", kind, task, mb, nbytes / self.hw.d2h_bandwidth, nbytes, deps, (), _D2H)
+    def d2h(self, rank, kind, node, mb, nbytes, deps=(), key=None, peer=None):
+        return self.add(rank, "swap_out", kind, node, mb, nbytes / self.hw.d2h_bandwidth, nbytes, deps, (), _D2H,
+                        key=key, peer=peer)
 
-    def transfer(self, src_rank, dst_rank, kind, task, mb, nbytes, deps):
-        """Move an activation between GPUs: P2P when there is a GPU link, else through host memory.
-        Returns (event the receiver waits for, event that frees the sender's buffer)."""
-        if self.hw.p2p_bandwidth > 0:
-            e = self.add(src_rank, "p2p", kind, task, mb, nbytes / self.hw.p2p_bandwidth, nbytes, deps)
-            return e, e
-        out = self.d2h(src_rank, kind, task, mb, nbytes, deps)
-        return out, out
+    def p2p(self, rank, kind, node, mb, nbytes, deps, peer):
+        """Send an activation to another GPU over the GPU link (on the sender's p2p stream)."""
+        return self.add(rank, "p2p", kind, node, mb, nbytes / self.hw.p2p_bandwidth, nbytes, deps, peer=peer)
 
     # -- expansion --------------------------------------------------------------------------------
     def build(self) -> None:
-        plan, n = self.plan, self.plan.gpus
-        copies = range(n) if plan.mode == "vDP" else [None]
-        shares = data_shares(plan.batch, n) if plan.mode == "vDP" else [plan.batch]
-        tasks = tasks_of(plan)
-        for c, share in zip(copies, shares):
-            state: dict[int, dict] = {}
-            if plan.input_batch_grouping:
-                self._build_copy(tasks, c, share, state, True)
-            else:   # naive swapping: each microbatch sweeps every pack, weights come in every time
-                sweeps = split_microbatches(share, plan.microbatch_fwd)
-                for j, u in enumerate(sweeps):
-                    self.sweep = j
-                    self._build_copy(tasks, c, u, state, j == len(sweeps) - 1)
-        # without a GPU link, each replica's CPU sums every replica's gradient: it waits for all of them
-        for group in self.host_sums.values():
-            grads = [g for _, g in group]
-            for upd, _ in group:
-                self.events[upd].deps += [g for g in grads if g not in self.events[upd].deps]
-
-    def _build_copy(self, tasks: list[Task], copy: int | None, share: int, last_task_on_rank: dict,
-                    with_update: bool) -> None:
-        """Events of one copy of the task list over ``share`` samples; ``last_task_on_rank`` chains
-        consecutive calls (sweeps); CPU updates only when ``with_update``."""
-        plan, prof = self.plan, self.prof
-        uf = split_microbatches(share, plan.microbatch_fwd)
-        ub = split_microbatches(share, plan.microbatch_bwd)
-        # which forward microbatch holds the last sample of each backward microbatch (re-batching)
-        fwd_end = np.cumsum(uf)
-        src_of_bwd = [int(np.searchsorted(fwd_end, e, side="left")) for e in np.cumsum(ub)]
-        rank_of = (lambda t: copy) if copy is not None else (lambda t: t.rank)
-        n_ranks = plan.gpus
-        y_out: dict[int, list] = {}        # FWD task index -> per microbatch (event receiver waits for, via host)
-        stash_out: dict[int, dict] = {}    # BWD pack -> FWD task index -> per forward microbatch d2h event
-        dx_out: dict[int, list] = {}       # BWD task index -> per microbatch (event, via host)
-        dw_done: dict[int, int] = {}       # BWD task index -> event after which the update may run
-        prev_fb = None
-        for t in tasks:
-            r = rank_of(t)
-            a, b = t.pack
-            if t.kind == "U":
-                if with_update:
-                        self._update(t, r, dw_done[t.index - 1], n_ranks if copy is not None else 1, copy)
-                continue
-            left = last_task_on_rank.get(r)
-            u_list = uf if t.kind == "F" else ub
-            phase = "FWD" if t.kind == "F" else "BWD"
-            nominal = plan.microbatch_fwd if t.kind == "F" else plan.microbatch_bwd
-            costs = prof.costs(phase, nominal)
-            mem = self.task_memory(plan, prof, t)
-            wb = self.weight_bytes(a, b)
-            # weights: prefetch once the previous task on this rank computes, else after it ends
-            if left is None:
-                wdeps, wstart = [], []
-            elif self.prefetch:
-                wdeps, wstart = [], [left["first_compute"]]
+        if self.nodes is None:
+            self.nodes = compose(self.plan, self.prof, self.hw)
+        self.by_key = {n.task: n for n in self.nodes}
+        last_on_rank: dict[int, dict] = {}     # the rank's previous F/B task: its first compute and end
+        waiting = []                            # (update event, gradient producers not built yet)
+        for node in self.nodes:
+            if node.kind == TaskKind.UPD:
+                if node.device == "cpu":
+                    waiting.append(self._update(node))
             else:
-                wdeps, wstart = [left["end_marker"]], []
-            opt = plan.options[t.bwd_index] if t.kind == "B" else None
-            w_in = self.h2d(r, "W", t, 0, wb, wdeps, wstart, stream="swap_in_w", alloc=wb)
-            k_in = None
-            if opt is not None and opt.optimizer == "gpu":
-                k_in = self.h2d(r, "K", t, 0, int(prof.optimizer_bytes(a, b)), [w_in], stream="swap_in_w")
-            computes, outs, stash_evs = [], [], {}
-            task_outputs = []
-            for i, u in enumerate(u_list):
-                ci = costs if u == nominal else prof.costs(phase, u)
-                # -- input of microbatch i
-                in_dep = []
-                if t.kind == "F":
-                    if a == 0:
-                        x_in = self.h2d(r, "X", t, i, int(ci.input[0]), self._buffer_deps(computes, i))
-                    else:
-                        src_ev, via_host = y_out[t.index - 1][i]
-                        if via_host:   # the output went to host memory: swap it in
-                            x_in = self.h2d(r, "X", t, i, int(ci.input[a]), [src_ev] + self._buffer_deps(computes, i))
-                        else:
-                            x_in = src_ev
-                    in_dep.append(x_in)
-                else:
-                    bi = t.bwd_index
-                    recompute = plan.options[bi].recompute
-                    if bi == len(plan.packs_bwd) - 1:     # holds the loss: input is the last forward's output
-                        if a == 0:
-                            x_in = self.h2d(r, "X", t, i, int(ci.input[0]), self._buffer_deps(computes, i))
-                        else:
-                            last_f = t.index - 1
-                            src_ev, via_host = y_out[last_f][src_of_bwd[i]]
-                            if via_host:
-                                x_in = self.h2d(r, "X", t, i, int(ci.input[a]), [src_ev] + self._buffer_deps(computes, i))
-                            else:
-                                x_in = src_ev
-                        in_dep.append(x_in)
-                    else:
-                        nbytes = int(ci.input[a]) if recompute else int(ci.pack_saved(a, b))
-                        src = [piece[src_of_bwd[i]] for piece in stash_out[bi].values()]
-                        in_dep.append(self.h2d(r, "sX", t, i, nbytes, src + self._buffer_deps(computes, i)))
-                        src_ev, via_host = dx_out[prev_fb.index][i]
-                        if via_host:
-                            in_dep.append(self.h2d(r, "dY", t, i, int(ci.input[b + 1]), [src_ev]))
-                        else:
-                            in_dep.append(src_ev)
-                # -- compute
-                if t.kind == "F":
-                    dur = float(ci.pack_time(a, b))
-                else:
-                    dur = float(ci.pack_time(a, b))
-                    if not plan.options[t.bwd_index].recompute:
-                        dur -= float(prof.costs("FWD", int(np.clip(u, *prof.size_range("FWD")))).pack_time(a, b))
-                        dur = max(dur, 0.0)
-                cdeps = in_dep + [w_in] + ([computes[-1]] if computes else [])
-                comp = self.add(r, "compute", "FWD" if t.kind == "F" else "BWD", t, i, dur, 0, cdeps,
-                                alloc=(mem - wb) if i == 0 else 0)
-                computes.append(comp)
-                # -- outputs of microbatch i
-                if t.kind == "F":
-                    for bi, lo, hi in self._stash_pieces(a, b):
-                        nb = int(ci.input[lo]) if plan.options[bi].recompute else int(ci.pack_saved(lo, hi))
-                        ev = self.d2h(r, "sX", t, i, nb, [comp])
-                        stash_out.setdefault(bi, {}).setdefault(t.index, []).append(ev)
-                        task_outputs.append(ev)
-                    nxt = tasks[t.index + 1]
-                    nr = rank_of(nxt)
-                    rebatch = nxt.kind == "B" and plan.microbatch_fwd != plan.microbatch_bwd
-                    if nr == r or rebatch or self._via_host(r, nr):
-                        ev = self.d2h(r, "Y", t, i, int(ci.input[b + 1]), [comp])
-                        y_out.setdefault(t.index, []).append((ev, True))
-                    else:
-                        ev, _ = self.transfer(r, nr, "Y", t, i, int(ci.input[b + 1]), [comp])
-                        y_out.setdefault(t.index, []).append((ev, False))
-                    task_outputs.append(ev)
-                elif a > 0:
-                    nxt = next((x for x in tasks[t.index + 1:] if x.kind == "B"), None)
-                    nr = rank_of(nxt)
-                    if nr == r or self._via_host(r, nr):
-                        ev = self.d2h(r, "dX", t, i, int(ci.input[a]), [comp])
-                        dx_out.setdefault(t.index, []).append((ev, True))
-                    else:
-                        ev, _ = self.transfer(r, nr, "dX", t, i, int(ci.input[a]), [comp])
-                        dx_out.setdefault(t.index, []).append((ev, False))
-                    task_outputs.append(ev)
-            if t.kind == "B":
-                done = self._gradients(t, r, computes[-1], k_in, copy)
-                dw_done[t.index] = done
-                task_outputs.append(done)
-            # the task's memory is released when its last event ends
-            end = self.add(r, "free", "free", t, len(u_list) - 1, 0.0, 0, [computes[-1]] + task_outputs)
-            self.events[end].free_after = [mem]
-            last_task_on_rank[r] = {"first_compute": computes[0], "end_marker": end}
-            prev_fb = t
+                self._task(node, last_on_rank)
+        # an update also waits for the gradients of replicas built after it (vDP without a GPU link)
+        for upd, producers in waiting:
+            self.events[upd].deps += [g for g in (self._gradient_ready(*p) for p in producers)
+                                      if g not in self.events[upd].deps]
 
-    def _stash_pieces(self, a: int, b: int) -> list[tuple[int, int, int]]:
-        """What the forward of [a, b] sends to the host for the backward packs other than the last, as
-        (backward pack, first, last layer): a recompute pack's input if it is in [a, b]; a stash pack's
-        saved activations of its layers in [a, b] (a pack may span several forward packs)."""
-        out = []
-        for bi, (qa, qb) in enumerate(self.plan.packs_bwd[:-1]):
-            if self.plan.options[bi].recompute:
-                if a <= qa <= b:
-                    out.append((bi, qa, qa))
-            elif qa <= b and qb >= a:
-                out.append((bi, max(a, qa), min(b, qb)))
-        return out
+    def _task(self, node: TaskNode, last_on_rank: dict) -> None:
+        """The events of a forward or backward task, microbatch by microbatch."""
+        plan, prof = self.plan, self.prof
+        r, (a, b) = node.rank, node.pack
+        fwd = node.kind == TaskKind.FWD
+        left = last_on_rank.get(r)
+        phase = "FWD" if fwd else "BWD"
+        nominal = plan.microbatch_fwd if fwd else plan.microbatch_bwd
+        costs = prof.costs(phase, nominal)
+        mem = node.memory
+        ins: dict[Tensor, list] = defaultdict(list)
+        for f in node.inputs:
+            ins[f.tensor].append(f)
+        wb = sum(f.nbytes[0] for f in ins[Tensor.W] + ins[Tensor.B])
+        # weights: prefetch once the previous task on this rank computes, else after it ends
+        if left is None:
+            wdeps, wstart = [], []
+        elif self.prefetch:
+            wdeps, wstart = [], [left["first_compute"]]
+        else:
+            wdeps, wstart = [left["end_marker"]], []
+        w_in = self.h2d(r, "W", node, 0, wb, wdeps, wstart, stream="swap_in_w", alloc=wb)
+        # optimizer on the GPU: its update runs inside this task; the state comes in with the weights
+        upd = next((self.by_key[f.peer] for f in node.outputs
+                    if f.tensor == Tensor.DW and f.medium == Medium.PIN), None)
+        k_in = None
+        if upd is not None:
+            kb = sum(f.nbytes[0] for f in upd.inputs if f.tensor == Tensor.K)
+            k_in = self.h2d(r, "K", node, 0, kb, [w_in], stream="swap_in_w", key=upd.task)
+        x_in, sx_in, dy_in = (ins[Tensor.X] or [None])[0], ins[Tensor.SX], (ins[Tensor.DY] or [None])[0]
+        outs = [f for f in node.outputs if f.tensor in (Tensor.SX, Tensor.Y, Tensor.DX)]
+        computes, task_outputs = [], []
+        recompute = fwd or plan.options[node.bwd_index].recompute
+        for i, u in enumerate(node.microbatches):
+            ci = costs if u == nominal else prof.costs(phase, u)
+            # -- inputs of microbatch i
+            in_dep = []
+            if x_in is not None:
+                if x_in.medium == Medium.DAT:
+                    in_dep.append(self.h2d(r, "X", node, i, x_in.nbytes[i], self._buffer_deps(computes, i)))
+                else:
+                    in_dep.append(self._receive(node, x_in, i, self._buffer_deps(computes, i)))
+            if sx_in:
+                src = [self.sent[(f.peer, node.task, Tensor.SX)][f.needs[i][-1]] for f in sx_in]
+                in_dep.append(self.h2d(r, "sX", node, i, sum(f.nbytes[i] for f in sx_in),
+                                       src + self._buffer_deps(computes, i)))
+            if dy_in is not None:
+                in_dep.append(self._receive(node, dy_in, i, []))
+            # -- compute
+            dur = float(ci.pack_time(a, b))
+            if not recompute:       # stashed activations: no recompute of the pack's forward
+                dur -= float(prof.costs("FWD", int(np.clip(u, *prof.size_range("FWD")))).pack_time(a, b))
+                dur = max(dur, 0.0)
+            cdeps = in_dep + [w_in] + ([computes[-1]] if computes else [])
+            comp = self.add(r, "compute", phase, node, i, dur, 0, cdeps, alloc=(mem - wb) if i == 0 else 0)
+            computes.append(comp)
+            # -- outputs of microbatch i
+            for f in outs:
+                if f.medium == Medium.P2P:
+                    ev = self.p2p(r, f.tensor.value, node, i, f.nbytes[i], [comp], f.peer)
+                else:
+                    ev = self.d2h(r, f.tensor.value, node, i, f.nbytes[i], [comp], peer=f.peer)
+                self.sent.setdefault((node.task, f.peer, f.tensor), []).append(ev)
+                task_outputs.append(ev)
+        if not fwd:
+            done = self._gradients(node, r, computes[-1], upd, k_in)
+            self.grads[node.task] = done
+            task_outputs.append(done)
+        # the task's memory is released when its last event ends
+        end = self.add(r, "free", "free", node, len(node.microbatches) - 1, 0.0, 0, [computes[-1]] + task_outputs)
+        self.events[end].free_after = [mem]
+        last_on_rank[r] = {"first_compute": computes[0], "end_marker": end}
 
-    def _via_host(self, src_rank: int, dst_rank: int) -> bool:
-        return src_rank != dst_rank and self.hw.p2p_bandwidth <= 0
+    def _receive(self, node: TaskNode, f, i: int, buffer_deps: list) -> int:
+        """The event after which activation input ``f`` (X or dY) of microbatch ``i`` is on this GPU: the
+        sender's P2P transfer, or a swap-in after the producer's swap-out (SWP, MSG)."""
+        src = self.sent[(f.peer, node.task, SOURCE_TENSOR[f.tensor])][f.needs[i][-1]]
+        if f.medium == Medium.P2P:
+            return src
+        return self.h2d(node.rank, f.tensor.value, node, i, f.nbytes[i], [src] + buffer_deps)
 
     def _buffer_deps(self, computes: list[int], i: int) -> list[int]:
         """Input double buffering: with prefetch, input i may arrive while i-1 computes (waits for i-2);
@@ -358,42 +247,42 @@ class _Expansion:
         k = i - 2 if self.prefetch else i - 1
         return [computes[k]] if k >= 0 else []
 
-    def _gradients(self, t: Task, r: int, last_compute: int, k_in, copy) -> int:
-        """Weight gradients leave the GPU: all-reduced in vDP, then to the CPU optimizer (or a GPU step)."""
-        plan, prof = self.plan, self.prof
-        a, b = t.pack
-        w = int(prof.param_bytes(a, b))
-        n = plan.gpus if copy is not None else 1
+    def _gradients(self, node: TaskNode, r: int, last_compute: int, upd: TaskNode | None, k_in) -> int:
+        """Weight gradients leave the GPU: all-reduced in vDP (P2P), then to the CPU optimizer (LOC, or MSG
+        for every replica's CPU when there is no GPU link), or stepped on the GPU (PIN to a GPU update)."""
+        n = self.replicas
+        w = int(self.prof.param_bytes(*node.pack))
         deps = [last_compute]
-        if n > 1 and self.hw.p2p_bandwidth > 0:
-            ard = self.add(r, "p2p", "ARD", t, 0, 2 * (n - 1) / n * w / self.hw.p2p_bandwidth, w, deps)
-            self.collectives.setdefault((self.sweep, t.index), []).append(ard)
+        if any(f.tensor == Tensor.DW and f.medium == Medium.P2P and f.peer is None for f in node.outputs):
+            ard = self.add(r, "p2p", "ARD", node, 0, 2 * (n - 1) / n * w / self.hw.p2p_bandwidth, w, deps)
+            self.collectives.setdefault((node.task.sweep, node.index), []).append(ard)
+            self.reduced[node.task] = ard
             deps = [ard]
-            share = w // n
-        else:
-            share = w          # no GPU link: every replica's gradient goes to the host, the CPU sums
-        if plan.options[t.bwd_index].optimizer == "gpu":
-            kb = int(prof.optimizer_bytes(a, b))
-            step = self.add(r, "compute", "GPU_UPD", t, 0, (3 * w + 2 * kb) / self.hw.gpu_optimizer_bandwidth, 0,
-                            deps + [k_in])
-            shards = n if n > 1 and self.hw.p2p_bandwidth > 0 else 1   # each replica writes back its 1/n
-            out = self.d2h(r, "WK", t, 0, w // shards + kb // shards, [step])
-            return out
-        return self.d2h(r, "dW", t, 0, share, deps)
+        if upd is not None:
+            kb = sum(f.nbytes[0] for f in upd.inputs if f.tensor == Tensor.K)
+            step = self.add(r, "compute", "GPU_UPD", node, 0, (3 * w + 2 * kb) / self.hw.gpu_optimizer_bandwidth, 0,
+                            deps + [k_in], key=upd.task)
+            return self.d2h(r, "WK", node, 0, sum(f.nbytes[0] for f in upd.outputs), [step], key=upd.task)
+        out = next(f for f in node.outputs if f.tensor == Tensor.DW and f.medium in (Medium.LOC, Medium.MSG))
+        return self.d2h(r, "dW", node, 0, out.nbytes[0], deps)
 
-    def _update(self, t: Task, r: int, dw_event: int, n_copies: int, copy) -> None:
-        prof, plan = self.prof, self.plan
-        a, b = t.pack
-        if plan.options[t.bwd_index].optimizer == "gpu":
-            return
+    def _update(self, node: TaskNode) -> tuple[int, list[Task]]:
+        """The CPU optimizer step; returns it with the gradient producers not built yet."""
+        prof, n = self.prof, self.replicas
+        a, b = node.pack
         dur = float(prof.cpu_update_time(a, b)) * self.hw.cpu_optimizer_scale
-        if n_copies > 1 and self.hw.p2p_bandwidth > 0:
-            dur /= n_copies     # each rank's CPU steps its shard of the all-reduced gradient
-        elif n_copies > 1:
-            dur += (n_copies - 1) * int(prof.param_bytes(a, b)) / self.hw.host_copy_bandwidth / n_copies
-        upd = self.add(r, "cpu", "UPD", t, 0, dur, 0, [dw_event])
-        if n_copies > 1 and self.hw.p2p_bandwidth <= 0:
-            self.host_sums.setdefault((self.sweep, t.index), []).append((upd, dw_event))
+        if n > 1 and self.hw.p2p_bandwidth > 0:
+            dur /= n     # each rank's CPU steps its shard of the all-reduced gradient
+        elif n > 1:
+            dur += (n - 1) * int(prof.param_bytes(a, b)) / self.hw.host_copy_bandwidth / n
+        # its gradients: in host memory (LOC, MSG), or all-reduced by another replica (P2P)
+        producers = [(f.peer, f.medium == Medium.P2P) for f in node.inputs if f.tensor == Tensor.DW]
+        ready = [self._gradient_ready(*p) for p in producers if p[0] in self.grads]
+        upd = self.add(node.rank, "cpu", "UPD", node, 0, dur, 0, ready)
+        return upd, [p for p in producers if p[0] not in self.grads]
+
+    def _gradient_ready(self, producer: Task, reduced: bool) -> int:
+        return self.reduced[producer] if reduced else self.grads[producer]
 
     # -- the event loop -------------------------------------------------------------------------
     def run(self, with_timeline: bool) -> Timeline:

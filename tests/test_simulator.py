@@ -1,11 +1,22 @@
-"""The default simulator: dependencies, streams, memory and bytes behave as the plan implies."""
-import numpy as np
+"""The default simulator: dependencies, streams, memory and bytes behave as the plan implies.
+
+The property tests draw random valid plans (both modes, 1-3 GPUs, prefetch on or off,
+uneven microbatches, per-pack recompute/stash and CPU/GPU optimizer, naive swapping,
+with and without a GPU link) and check the simulated timeline against the plan's task
+graph (harmony_opt.taskgraph): every edge's data arrives before its consumer computes,
+no stream runs two events at once, memory stays under the cap, and each link carries
+exactly the bytes the graph's flows imply, tensor kind by tensor kind.
+"""
+import dataclasses
+from collections import defaultdict
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from harmony_opt import PlanError, get_hardware, load_profile
-from harmony_opt.plan import Plan
-from harmony_opt.simulator import simulate, tasks_of
+from harmony_opt.plan import PackOptions, Plan, data_shares
+from harmony_opt.simulator import _Expansion, check_memory, simulate, tasks_of
+from harmony_opt.taskgraph import SOURCE_TENSOR, Medium, TaskKind, Tensor, link_bytes, task_graph
 
 from conftest import synthetic_profile
 
@@ -17,64 +28,173 @@ def random_packs(draw, lo, hi):
     return [(s, e - 1) for s, e in zip(starts, cuts + [hi + 1])]
 
 
+HW = get_hardware("1080ti-x4").with_gpus(3)
+NO_P2P = dataclasses.replace(HW, p2p_bandwidth=0.0)
+
+
 @st.composite
 def plans(draw):
+    """A random valid plan on a synthetic profile, and the hardware to play it on."""
     R = draw(st.integers(2, 9))
     prof = synthetic_profile(R=R, seed=draw(st.integers(0, 3)))
     mode = draw(st.sampled_from(["vPP", "vDP"]))
     gpus = draw(st.integers(1, 3))
-    batch = draw(st.sampled_from([4, 8, 12]))
-    share = batch if mode == "vPP" else batch // gpus
-    uf = draw(st.sampled_from([u for u in (1, 2, 4, 8) if u <= share]))
-    ub = draw(st.sampled_from([u for u in (1, 2, 4, 8) if u <= share]))
+    batch = draw(st.sampled_from([4, 6, 8, 10, 12]))
+    hi = min(8, max(data_shares(batch, gpus)) if mode == "vDP" else batch)
+    grouping = draw(st.integers(0, 4)) > 0
+    uf = draw(st.integers(1, hi))
+    ub = draw(st.integers(1, hi)) if grouping else uf
     bwd = random_packs(draw, 0, R - 1)
     fwd = random_packs(draw, 0, bwd[-1][0] - 1) if bwd[-1][0] > 0 else []
-    plan = Plan("test", mode, gpus, batch, uf, ub, fwd, bwd, R, allow_uneven=True,
-                prefetch=draw(st.booleans()))
-    return prof, plan
+    opts = tuple(PackOptions(recompute=draw(st.integers(0, 2)) > 0, optimizer=draw(st.sampled_from(["cpu", "gpu"])))
+                 for _ in bwd)
+    plan = Plan("test", mode, gpus, batch, uf, ub, fwd, bwd, R, options=opts, allow_uneven=True,
+                prefetch=draw(st.booleans()), input_batch_grouping=grouping)
+    return prof, plan, draw(st.sampled_from([HW, NO_P2P]))
 
 
-HW = get_hardware("1080ti-x4").with_gpus(3)
+def expand(plan, prof, hw, cap):
+    """The simulator's events (with their task graph nodes) and its timeline."""
+    plan.check_against(prof, hw)
+    check_memory(plan, prof, cap)
+    sim = _Expansion(plan, prof, hw, cap, plan.prefetch)
+    sim.build()
+    return sim, sim.run(with_timeline=True)
 
 
-@settings(max_examples=60, deadline=None)
+def check_against_graph(sim, graph) -> int:
+    """Assert that the played events respect every edge of the task graph and every task's own
+    inputs and outputs; return how many (edge, flow) pairs were checked."""
+    by = defaultdict(list)
+    for e in sim.events:
+        by[(e.node, e.kind, e.microbatch)].append(e)
+
+    def one(node, kind, mb=0, peer=None):
+        found = [e for e in by[(node, kind, mb)] if peer is None or e.peer == peer]
+        assert len(found) == 1, f"{len(found)} {kind} events of {node} microbatch {mb} for {peer}"
+        return found[0]
+
+    def after(later, earlier, what):
+        assert later.start >= earlier.end, (f"{what}: {later.kind} of {later.node} mb {later.microbatch} starts at "
+                                            f"{later.start} before {earlier.kind} of {earlier.node} mb "
+                                            f"{earlier.microbatch} ends at {earlier.end}")
+
+    def compute(node, mb):
+        return one(node, "FWD" if node.kind == TaskKind.FWD else "BWD", mb)
+
+    def last(node):
+        return compute(node, len(graph.nodes[node]["microbatches"]) - 1)
+
+    def consumer_step(v):
+        d = graph.nodes[v]
+        return one(v, "UPD") if d["device"] == "cpu" else one(v, "GPU_UPD")
+
+    checked = 0
+    for u, v, data in graph.edges(data=True):
+        for f in data["flows"]:
+            what = f"{u} -> {v} {f['tensor'].value} by {f['medium'].value}"
+            t, m = f["tensor"], f["medium"]
+            if t in (Tensor.X, Tensor.DY, Tensor.SX):
+                for i, needs in enumerate(f["needs"]):
+                    for k in needs:
+                        sent = one(u, SOURCE_TENSOR[t].value, k, peer=v)
+                        after(sent, compute(u, k), what + " (sent after it is computed)")
+                        if m == Medium.P2P:
+                            after(compute(v, i), sent, what)
+                        else:
+                            got = one(v, t.value, i)
+                            after(got, sent, what + " (swapped in after it is out)")
+                            after(compute(v, i), got, what)
+            elif t == Tensor.DW and m in (Medium.LOC, Medium.MSG):
+                after(consumer_step(v), one(u, "dW"), what)
+                after(one(u, "dW"), last(u), what)
+            elif t == Tensor.DW and m == Medium.P2P:       # all-reduced contribution of another replica
+                after(consumer_step(v), one(u, "ARD"), what)
+                after(one(u, "ARD"), last(u), what)
+            elif m == Medium.PIN and t in (Tensor.DW, Tensor.W):
+                after(one(v, "GPU_UPD"), last(u), what)
+            else:
+                raise AssertionError(f"no rule to check {what}")
+            checked += 1
+    # each task's own inputs and outputs
+    for node, d in graph.nodes(data=True):
+        if node.kind == TaskKind.UPD:
+            if d["device"] == "gpu":
+                after(one(node, "GPU_UPD"), one(node, "K"), f"{node} optimizer state")
+                after(one(node, "WK"), one(node, "GPU_UPD"), f"{node} write-back")
+            continue
+        w = one(node, "W")
+        for i in range(len(d["microbatches"])):
+            after(compute(node, i), w, f"{node} weights")
+            for f in d["inputs"]:
+                if f.medium == Medium.DAT:
+                    after(compute(node, i), one(node, f.tensor.value, i), f"{node} data")
+    return checked
+
+
+#: Event kinds that carry a (link, tensor) of the graph when they are not the tensor's own name.
+EVENT_KIND = {("h2d", Tensor.W): "W", ("h2d", Tensor.B): "W", ("d2h", Tensor.W): "WK", ("d2h", Tensor.K): "WK",
+              ("p2p", Tensor.DW): "ARD"}
+
+
+def bytes_by_kind(timeline) -> dict:
+    ev = timeline.events
+    link = ev.stream.map({"swap_in": "h2d", "swap_in_w": "h2d", "swap_out": "d2h", "p2p": "p2p"})
+    sums = ev.assign(link=link).dropna(subset=["link"]).groupby(["link", "kind"])["bytes"].sum()
+    return {k: int(v) for k, v in sums.items() if v}
+
+
+@settings(max_examples=80, deadline=None)
 @given(plans())
-def test_timeline_respects_streams_memory_and_bytes(case):
-    prof, plan = case
+def test_timeline_respects_task_graph_streams_and_bytes(case):
+    prof, plan, hw = case
     cap = 2**40
-    tl = simulate(plan, prof, HW, memory_cap=cap)
+    graph = task_graph(plan, prof, hw)
+    sim, tl = expand(plan, prof, hw, cap)
+    assert check_against_graph(sim, graph) == sum(len(d["flows"]) for *_, d in graph.edges(data=True))
     ev = tl.events
     assert (ev.end >= ev.start).all()
     # no stream runs two events at once
     for _, g in ev.groupby(["rank", "stream"]):
         g = g.sort_values("start")
-        assert (g.start.to_numpy()[1:] >= g.end.to_numpy()[:-1] - 1e-12).all()
+        assert (g.start.to_numpy()[1:] >= g.end.to_numpy()[:-1]).all()
     # the shared link carries one transfer per direction at a time (link_slots == 1)
     for streams in (("swap_in", "swap_in_w"), ("swap_out",)):
         g = ev[ev.stream.isin(streams) & (ev.end > ev.start)].sort_values("start")
-        assert (g.start.to_numpy()[1:] >= g.end.to_numpy()[:-1] - 1e-9).all()
+        assert (g.start.to_numpy()[1:] >= g.end.to_numpy()[:-1]).all()
     assert max(tl.peak_memory().values()) <= cap
-    # weights come in once per pack per iteration (input-batch grouping), on every replica
-    R = prof.num_layers
-    replicas = plan.gpus if plan.mode == "vDP" else 1
-    w_in = ev[ev.kind == "W"]["bytes"].sum()
-    expected = replicas * (sum(int(prof.param_bytes(a, b)) for a, b in plan.packs_fwd)
-                           + sum(int(prof.param_bytes(a, b)) for a, b in plan.packs_bwd))
-    assert w_in == expected
-    # forward before backward: every BWD compute of a pack starts after the FWD computes feeding it
-    assert tl.iteration_time == pytest.approx(ev.end.max())
+    # every link carries what the graph's flows imply, tensor kind by tensor kind
+    expected = defaultdict(int)
+    for (link, tensor, _), b in link_bytes(graph, by_tensor=True).items():
+        if b:
+            expected[(link, EVENT_KIND.get((link, tensor), tensor.value))] += b
+    assert bytes_by_kind(tl) == dict(expected)
+    assert tl.bytes_moved() == link_bytes(graph)
+    # and, independently of the graph: weights come in once per pack per replica and sweep
+    sweeps = [len(plan.microbatches("FWD", r)) if not plan.input_batch_grouping else 1
+              for r in range(plan.gpus if plan.mode == "vDP" else 1)]
+    w = sum(int(prof.param_bytes(a, b) + prof.buffer_bytes(a, b)) for a, b in plan.packs_fwd + plan.packs_bwd)
+    assert ev[ev.kind == "W"]["bytes"].sum() == sum(sweeps) * w
+    assert tl.iteration_time == ev.end.max()
     assert set(tl.busy_time("compute")) <= set(range(plan.gpus))
+    # the quick summary the planners use says the same
+    quick = simulate(plan, prof, hw, memory_cap=cap, with_timeline=False)
+    assert quick.iteration_time == tl.iteration_time
+    assert quick.meta["bytes"] == tl.bytes_moved()
 
 
-@settings(max_examples=30, deadline=None)
-@given(plans(), st.floats(0.3, 0.9))
+@settings(max_examples=40, deadline=None)
+@given(plans(), st.floats(0.3, 1.0))
 def test_memory_cap_is_never_exceeded(case, frac):
-    prof, plan = case
-    from harmony_opt.simulator import _Expansion
+    prof, plan, hw = case
     need = max(_Expansion.task_memory(plan, prof, t) for t in tasks_of(plan) if t.kind != "U")
     cap = int(need / frac)   # every task fits; prefetch only when there is room
-    tl = simulate(plan, prof, HW, memory_cap=cap)
+    graph = task_graph(plan, prof, hw)
+    sim, tl = expand(plan, prof, hw, cap)
     assert max(tl.peak_memory().values()) <= cap
+    check_against_graph(sim, graph)
+    with pytest.raises(PlanError, match="more than the cap"):
+        simulate(plan, prof, hw, memory_cap=need - 1)
 
 
 def test_dependencies_order_forward_then_backward():
