@@ -10,19 +10,26 @@
 * ``zero-offload``: all weights resident on the GPU, gradients and optimizer on the CPU;
   infeasible when the model does not fit.
 
-Every baseline picks its microbatch size by simulating each feasible size.
+Every baseline picks its microbatch size by simulation, skipping the sizes whose
+lower bound (:func:`iteration_floor`) shows they cannot win.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable
 
-from .errors import InfeasibleError, PlanError, UsageError
+import numpy as np
+
+from .errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from .hardware import Hardware
 from .memory import check_layers_fit, max_pack_end
 from .plan import Plan, data_shares, split_microbatches
 from .profile import Profile
 from .units import fmt_bytes
+
+
+#: relative margin on the floor test: summing event durations in another order rounds differently
+_FLOOR_SLACK = 1e-7
 
 
 def _ident(profile: Profile, hw: Hardware) -> dict:
@@ -49,33 +56,129 @@ def feasible_sizes(profile: Profile, batch: int, mode: str, gpus: int, phase: st
             if not divisors_only or all(s % u == 0 for s in (data_shares(batch, gpus) if mode == "vDP" else [batch]))]
 
 
-def _compute_floor(plan: Plan, profile: Profile) -> float:
-    """Seconds the busiest GPU computes (every sample's recompute + backward of every layer):
-    no simulation of the plan can be shorter, since a GPU's compute stream runs one event at a time."""
-    if not all(o.recompute for o in plan.options):
+def iteration_floor(plan: Plan, profile: Profile, hw: Hardware) -> float:
+    """Seconds that no simulation of ``plan`` can beat (0.0 where it does not apply).
+
+    For the vDP, recompute, CPU-optimizer plans the baselines make, from the simulator's
+    rules (docs/cost_model.md): each GPU runs its tasks (forward packs ascending, then
+    backward packs descending; once, or once per microbatch sweep without input-batch
+    grouping) on one compute stream; a task's weights come in on the weight stream, not
+    before the previous task's first compute starts; a pack's output and its backward's
+    input gradient go to host memory and come back for the next task; each pack's input
+    is stashed to the host in the forward and brought back for its backward; weight
+    gradients go to the host. Every stream runs one event at a time, and on a shared host
+    link at most ``hw.link_slots`` transfers per direction run at once. So the iteration
+    lasts at least the longest of
+
+    * each GPU's chain of tasks: task k starts no earlier than task k-1 started plus the
+      longest of its compute, task k's weight swap-in, and task k-1's first microbatch
+      plus the round trip of its output through host memory;
+    * each GPU's busiest stream (compute, weight swap-ins, activation swap-ins, swap-outs);
+    * the host link: every transfer's time over the transfers it carries at once.
+
+    Vectorized over packs. tests/test_fuzz_planners.py checks it against the simulator on
+    random inputs, since the baselines skip every microbatch size whose floor exceeds the
+    best time simulated so far.
+    """
+    if plan.mode != "vDP" or not all(o.recompute and o.optimizer == "cpu" for o in plan.options):
         return 0.0
-    share = max(data_shares(plan.batch, plan.gpus)) if plan.mode == "vDP" else plan.batch
-    R = profile.num_layers
-    return float(sum(profile.costs("BWD", m).pack_time(0, R - 1)
-                     for m in split_microbatches(share, plan.microbatch_bwd)))
+    try:
+        ranks = [_rank_floor(plan, profile, hw, share) for share in data_shares(plan.batch, plan.gpus) if share]
+    except HarmonyOptError:     # a microbatch the profile cannot cost: the simulator refuses the plan too
+        return 0.0
+    if not ranks:
+        return 0.0
+    floor = max(r[0] for r in ranks)
+    if hw.shared_host_link:
+        floor = max(floor, sum(r[1] for r in ranks) / hw.link_slots, sum(r[2] for r in ranks) / hw.link_slots)
+    return floor
+
+
+def _rank_floor(plan: Plan, profile: Profile, hw: Hardware, share: int) -> tuple[float, float, float]:
+    """(floor of one GPU with ``share`` samples, its host->GPU seconds, its GPU->host seconds)."""
+    passes = [share] if plan.input_batch_grouping else split_microbatches(share, plan.microbatch_fwd)
+    per_pass = {v: _pass_costs(plan, profile, hw, v) for v in set(passes)}
+    w, c, c0, act = (np.concatenate([per_pass[v][k] for v in passes]) for k in range(4))
+    h2d_w = float(np.sum(w))
+    h2d_x = sum(per_pass[v][4] for v in passes)
+    d2h = sum(per_pass[v][5] for v in passes)
+    # task k starts >= task k-1's start + max(its compute, k's weights [prefetch: after k-1 starts;
+    # without: after k-1 ends], k-1's first microbatch + its output's round trip through the host)
+    wait_w = w[1:] if plan.prefetch else c[:-1] + w[1:]
+    chain = float(w[0] + np.sum(np.maximum(np.maximum(c[:-1], wait_w), c0[:-1] + act[1:])) + c[-1])
+    streams = max(float(np.sum(c)), h2d_w, h2d_x, d2h)
+    floor = max(chain, streams) if hw.shared_host_link else max(chain, streams, h2d_w + h2d_x)
+    return floor, h2d_w + h2d_x, d2h
+
+
+def _pass_costs(plan: Plan, profile: Profile, hw: Hardware, v: int):
+    """One pass of one GPU over ``v`` samples, per task in order (forward packs ascending, backward
+    packs descending): weight swap-in s, compute s, first microbatch's compute s, round trip of
+    the task's input from the previous task through the host s; and the pass's activation
+    host->GPU s and GPU->host s (inputs, stashes, outputs, gradients)."""
+    up, down = hw.h2d_bandwidth, hw.d2h_bandwidth
+    uf, ub = split_microbatches(v, plan.microbatch_fwd), split_microbatches(v, plan.microbatch_bwd)
+    fa, fb = (np.array([p[k] for p in plan.packs_fwd], dtype=np.int64) for k in (0, 1))
+    ba, bb = (np.array([p[k] for p in plan.packs_bwd[::-1]], dtype=np.int64) for k in (0, 1))   # task order
+    fwd = [profile.costs("FWD", u) for u in uf]
+    bwd = [profile.costs("BWD", u) for u in ub]
+
+    def weights(a, b):
+        return (profile.param_bytes(a, b) + profile.buffer_bytes(a, b)).astype(np.float64) / up
+
+    # forward tasks: input in, output out, and the inputs of the backward packs they hold stashed
+    stash = np.array([p[0] for p in plan.packs_bwd[:-1]], dtype=np.int64)
+    stash = stash[stash <= (fb.max() if len(fb) else -1)]
+    c_f = np.sum([c.pack_time(fa, fb) for c in fwd], axis=0) if len(fa) else np.zeros(0)
+    c0_f = fwd[0].pack_time(fa, fb) if len(fa) else np.zeros(0)
+    act_f = fwd[0].input[fa] * (1 / down + 1 / up)
+    if len(fa):
+        act_f[0] = 0.0          # the first pack's input comes from the host, not from a previous task
+    up_s = sum(float(np.sum(c.input[fa])) for c in fwd) / up
+    down_s = sum(float(np.sum(c.input[fb + 1]) + np.sum(c.input[stash])) for c in fwd) / down
+    # backward tasks: the loss pack takes the last forward output; the others their stashed input and
+    # the gradient of the pack after them; each sends its input's gradient (a > 0) and its weights' out
+    c_b = np.sum([c.pack_time(ba, bb) for c in bwd], axis=0)
+    c0_b = bwd[0].pack_time(ba, bb)
+    act_b = bwd[0].input[bb + 1] * (1 / down + 1 / up)
+    act_b[0] = min(c.input[ba[0]] for c in fwd) / down + bwd[0].input[ba[0]] / up if ba[0] > 0 and len(fa) else 0.0
+    up_s += sum(float(c.input[ba[0]] + np.sum(c.input[ba[1:]]) + np.sum(c.input[bb[1:] + 1])) for c in bwd) / up
+    down_s += sum(float(np.sum(c.input[ba[ba > 0]])) for c in bwd) / down
+    grads = profile.param_bytes(ba, bb)
+    down_s += float(np.sum(grads // plan.gpus if plan.gpus > 1 else grads)) / down
+    return (np.concatenate([weights(fa, fb), weights(ba, bb)]), np.concatenate([c_f, c_b]),
+            np.concatenate([c0_f, c0_b]), np.concatenate([act_f, act_b]), up_s, down_s)
 
 
 def _best_by_size(make: Callable[[int], Plan | None], sizes, profile, hw, name, cap) -> Plan:
-    """The fastest size by simulation; largest sizes first, skipping a size whose compute floor
-    exceeds the best time so far (same result as simulating all: small sizes of long models take
-    minutes to simulate and are never the best); ties go to the smaller size."""
+    """The fastest size by simulation (ties go to the smaller size), simulating as few as possible:
+    largest sizes first (their simulations are the shortest and usually the fastest plans),
+    skipping a size whose :func:`iteration_floor` exceeds the best time so far, since its plan
+    cannot win. Same result as simulating every size: small sizes of long models take minutes
+    to simulate and are seldom the best."""
     t0 = time.perf_counter()
     best, best_t, best_u = None, float("inf"), None
     for u in sorted(sizes, reverse=True):
         plan = make(u)
-        if plan is None or _compute_floor(plan, profile) > best_t * (1 + 1e-9):
+        if plan is None or iteration_floor(plan, profile, hw) > best_t * (1 + _FLOOR_SLACK):
             continue
         t = score(plan, profile, hw)
+        if t == float("inf"):       # the simulator refused the plan
+            continue
         if t < best_t or (t == best_t and u < best_u):
             best, best_t, best_u = plan, t, u
     if best is None:
         raise _infeasible(profile, cap, sizes, name)
     return best.replace(simulated_iteration_time_s=best_t, search_time_s=time.perf_counter() - t0)
+
+
+def _gpus(hw: Hardware, gpus: int | None) -> int:
+    """GPUs to plan for: all of the hardware's by default."""
+    if gpus is None:
+        return hw.gpus
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= hw.gpus:
+        raise UsageError(f"gpus {gpus!r}: hardware {hw.name!r} has {hw.gpus} GPU(s); give 1 to {hw.gpus}")
+    return gpus
 
 
 def _infeasible(profile, cap, sizes, name) -> InfeasibleError:
@@ -108,7 +211,7 @@ def same_sizes(profile: Profile, batch: int, gpus: int) -> list[int]:
 def plan_layerwise(profile: Profile, hw: Hardware, batch: int, cap: int, *, grouping: bool, name: str,
                    gpus: int | None = None) -> Plan:
     """One layer per pack (naive-swap and l2l), vDP over the GPUs."""
-    n = gpus or hw.gpus
+    n = _gpus(hw, gpus)
     R = profile.num_layers
 
     def make(u):
@@ -130,7 +233,7 @@ def plan_l2l(profile, hw, batch, cap, gpus=None, **_):
 
 def plan_zero_offload(profile, hw, batch, cap, gpus=None, **_):
     """All weights resident: the whole model is one backward pack (vDP)."""
-    n = gpus or hw.gpus
+    n = _gpus(hw, gpus)
     R = profile.num_layers
     need_w = int(profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1))
     sizes = same_sizes(profile, batch, n)
@@ -155,7 +258,7 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
                  packing_bwd=("balanced_time",), cost_model="default", **kw):
     """Harmony's search; under the default cost model its candidates are judged by our simulator."""
     from .harmony_compat import harmony_search
-    n = gpus or hw.gpus
+    n = _gpus(hw, gpus)
     scorer = None
     if cost_model == "default":
         def scorer(plan):
@@ -181,5 +284,5 @@ def get_planner(name: str):
     return PLANNERS[key]
 
 
-__all__ = ["PLANNERS", "get_planner", "score", "plan_harmony", "plan_naive_swap", "plan_l2l", "plan_zero_offload",
-           "max_pack_end"]
+__all__ = ["PLANNERS", "get_planner", "score", "iteration_floor", "plan_harmony", "plan_naive_swap", "plan_l2l",
+           "plan_zero_offload", "max_pack_end"]

@@ -53,3 +53,11 @@ class RuntimeMemoryError(HarmonyOptError):
 
 class DataError(HarmonyOptError):
     """Training data or a checkpoint does not match the model or plan."""
+
+
+class OutputError(HarmonyOptError, OSError):
+    """A file could not be written where the user asked (``errno`` is the system's); also an
+    ``OSError``, so code that handles failed writes in general keeps working."""
+
+    def __str__(self):
+        return self.strerror or super().__str__()

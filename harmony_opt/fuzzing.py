@@ -6,8 +6,9 @@ failure found by either is replayed by ``check_case(FuzzCase(...))``.
 
 The contract (issue #7): every planner either returns a plan that validates, matches
 the profile and hardware, round-trips through JSON and simulates under the memory cap
-with the iteration time it claims, or raises :class:`InfeasibleError` with a
-non-empty explanation. Any other exception is a bug.
+with the iteration time it claims (and no faster than the baselines' lower bound
+:func:`~harmony_opt.baselines.iteration_floor` says), or raises :class:`InfeasibleError`
+with a non-empty explanation. Any other exception is a bug.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .profile import Profile
 from .units import GB, GiB
 
 PLANNER_NAMES = ("cp-sat", "harmony", "naive-swap", "l2l", "zero-offload")
+BASELINE_NAMES = PLANNER_NAMES[1:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +138,11 @@ def check_plan(plan: Plan, profile: Profile, hw: Hardware, cap: int, name: str) 
     assert t is not None and math.isfinite(t) and t >= 0, f"{where}: simulated_iteration_time_s {t!r}"
     assert math.isclose(t, tl.iteration_time, rel_tol=1e-9, abs_tol=1e-12), \
         f"{where}: claims {t} s but simulates to {tl.iteration_time} s"
+    # the baselines skip microbatch sizes by this bound: it must hold for every plan it applies to
+    from .baselines import iteration_floor
+    floor = iteration_floor(plan, profile, hw)
+    assert floor <= tl.iteration_time * (1 + 1e-7), \
+        f"{where}: iteration_floor {floor} s exceeds the simulated {tl.iteration_time} s"
 
 
 def check_case(case: FuzzCase, planners=PLANNER_NAMES) -> dict[str, str]:

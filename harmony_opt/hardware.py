@@ -123,11 +123,10 @@ class Hardware:
 
     @classmethod
     def load(cls, path: str | Path) -> "Hardware":
+        from .io import read_text
         path = Path(path)
-        if not path.is_file():
-            raise HardwareError(f"hardware file {path} does not exist; give a preset "
-                                f"({', '.join(PRESETS)}) or a .toml/.json file")
-        text = path.read_text()
+        text = read_text(path, "hardware file", HardwareError,
+                         f"give a preset ({', '.join(PRESETS)}) or a .toml/.json file")
         try:
             d = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         except json.JSONDecodeError as e:

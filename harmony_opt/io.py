@@ -1,7 +1,15 @@
-"""Atomic file writes: a temporary file in the same folder, fsync, then rename.
+"""File input and output of the tool, in one place.
 
-An interrupted run never leaves a truncated plan, profile, checkpoint or result
-that a later command would read.
+Writes are atomic: a temporary file in the same folder, fsync, then rename, so an
+interrupted run never leaves a truncated plan, profile, program, checkpoint, result,
+figure or trace that a later command would read. A write that the system refuses (no
+such folder, no permission, a folder in the way, disk full) raises :class:`~harmony_opt.errors.OutputError`,
+which is both an ``OSError`` and a :class:`~harmony_opt.errors.HarmonyOptError`, so the
+command line reports it in one line with exit code 2.
+
+Reads of the tool's own text files (plans, programs, hardware files) go through
+:func:`read_text`, which words a missing, unreadable or binary file as the caller's
+error class.
 """
 from __future__ import annotations
 
@@ -10,19 +18,28 @@ import os
 import tempfile
 from pathlib import Path
 
+from .errors import HarmonyOptError, OutputError
+
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(21, "is a folder", str(path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise _output_error(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, OutputError):
+            raise _output_error(path, e) from e
         raise
     return path
 
@@ -33,3 +50,28 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 def atomic_write_json(path: str | Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _output_error(path: Path, e: OSError) -> OutputError:
+    reason = e.strerror or str(e) or type(e).__name__
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        reason = f"{blocker} is a file, not a folder"
+    return OutputError(e.errno, f"cannot write {path}: {reason}; choose another path (a file in a writable "
+                                f"folder) or free some space")
+
+
+def read_text(path: str | Path, what: str, error: type[HarmonyOptError], hint: str) -> str:
+    """The text of ``path``; a missing, unreadable or binary file raises ``error`` saying which and
+    what to do (``hint``)."""
+    path = Path(path)
+    if not path.exists():
+        raise error(f"{what} {path} does not exist; {hint}")
+    if path.is_dir():
+        raise error(f"{what} {path} is a folder, not a file; {hint}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path}: not a text file (byte {e.start} is not UTF-8); {hint}") from None
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None

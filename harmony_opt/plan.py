@@ -121,6 +121,9 @@ class Plan:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"plan field {_json_name(f)}: must be a whole number >= 1, got {v!r}")
+            if v > _MAX_COUNT:
+                raise PlanError(f"plan field {_json_name(f)}: {v} is implausibly large (at most {_MAX_COUNT}); "
+                                f"was the file edited by hand?")
         R = self.num_layers
         if not self.packs_bwd:
             raise PlanError("plan field packs.bwd: empty; the backward packs must cover every layer")
@@ -257,6 +260,9 @@ class Plan:
                   "search_time_s", "solver", "stats", "version"):
             if k in d and d[k] is not None:
                 kw[k] = d[k]
+        for k in ("profile", "hardware", "stats"):
+            if not isinstance(kw.get(k, {}), dict):
+                raise PlanError(f"{source}: field {k} must be an object, got {type(kw[k]).__name__}")
         if kw.get("cost_model", "default") not in ("default", "harmony"):
             raise PlanError(f"{source}: field cost_model must be default or harmony, got {kw['cost_model']!r}")
         try:
@@ -266,15 +272,18 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        from .io import read_text
         path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"plan file {path} does not exist")
+        text = read_text(path, "plan file", PlanError, "give the plan JSON that `harmony-opt plan` or `baseline` wrote")
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"{path}: line {e.lineno}: not valid JSON ({e.msg}); was the file cut short?") from None
         return cls.from_dict(d, str(path))
 
+
+#: Largest GPU count, batch, microbatch or layer count a plan may hold (beyond it, a typo or a hand edit).
+_MAX_COUNT = 2**31 - 1
 
 #: Keys whose values are wall-clock times: never written to a plan file (see Plan.to_json).
 WALL_CLOCK_KEYS = frozenset({"search_time_s", "wall_time_s"})

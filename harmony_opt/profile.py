@@ -266,8 +266,10 @@ class Profile:
         meta_path = path / "meta.json"
         meta = {}
         if meta_path.exists():
+            from .io import read_text
+            text = read_text(meta_path, "profile metadata", ProfileError, "fix or delete meta.json")
             try:
-                meta = json.loads(meta_path.read_text())
+                meta = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ProfileError(f"{meta_path}: line {e.lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(meta, dict):
@@ -338,6 +340,8 @@ def _read_table(folder: Path, stem: str, columns: dict, optional: dict | None = 
                                f"{', '.join(columns)}") from None
         except (pd.errors.ParserError, UnicodeDecodeError) as e:
             raise ProfileError(f"{csv}: cannot parse as CSV ({str(e).strip().splitlines()[-1]})") from None
+        except OSError as e:
+            raise ProfileError(f"{csv}: cannot read ({e.strerror or e})") from None
     elif pq.exists():
         f = pq
         try:

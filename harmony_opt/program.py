@@ -438,11 +438,11 @@ class Program:
 
     @classmethod
     def load(cls, path: str | Path) -> "Program":
+        from .io import read_text
         path = Path(path)
-        if not path.is_file():
-            raise ProgramError(f"program file {path} does not exist")
+        text = read_text(path, "program file", ProgramError, "give the program JSON that `harmony-opt compile` wrote")
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ProgramError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
         return cls.from_dict(d, str(path))

@@ -51,9 +51,36 @@ def test_baseline_then_simulate(capsys, tmp_path):
      "more than the cap"),
     (["simulate", "missing.json"], "does not exist"),
     (["plan", "--profile", "gpt2_xl"], "required"),
+    (["show", "gpt2_xl", "-u", "0"], "microbatch 0 is outside the profiled"),
+    (["baseline", "--planner", "l2l", "--profile", "gpt2_xl", "--batch", "8", "--gpus", "-1"], "give 1 to 4"),
+    (["plan", "--profile", "gpt2_xl", "--batch", "8", "--gpus", "0"], "give 1 to 4"),
+    (["compare", "--profile", "gpt2_medium", "--batch", "4", "--memory-cap", "1MB", "--time-limit", "1"],
+     "no planner found a plan; layer 0 of gpt2_medium alone needs"),
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, fragment):
     rc, _, err = run(capsys, *argv)
     assert rc == 2
     assert fragment in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_output_path_that_is_a_folder_is_exit_2(capsys, tmp_path):
+    rc, out, err = run(capsys, "baseline", "--planner", "l2l", "--profile", "gpt2_medium", "--batch", "8",
+                       "--gpus", "2", "-o", str(tmp_path))
+    assert rc == 2 and err == f"harmony-opt: error: cannot write {tmp_path}: is a folder; choose another path " \
+                              f"(a file in a writable folder) or free some space\n"
+    assert list(tmp_path.iterdir()) == []     # no temporary file left behind
+
+
+def test_plan_from_a_profile_folder_says_to_pass_the_profile(capsys, tmp_path, monkeypatch):
+    from pathlib import Path
+    monkeypatch.chdir(tmp_path)
+    good = Path(__file__).resolve().parent / "bad_inputs/profiles/good"
+    rc, _, err = run(capsys, "baseline", "--planner", "l2l", "--profile", str(good), "--batch", "2", "--gpus", "1",
+                     "-o", "p.json")
+    assert rc == 0, err
+    for cmd in ("simulate", "check"):
+        rc, _, err = run(capsys, cmd, "p.json")
+        assert rc == 2 and "the plan's profile 'good' is not a bundled profile or a folder here; pass --profile" in err
+        rc, out, err = run(capsys, cmd, "p.json", "--profile", str(good))
+        assert rc == 0, err

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ..errors import PlanError, ProgramError, UsageError
+from .common import plan_profile
 
 
 def register(sub):
@@ -69,7 +70,6 @@ def _check(args):
 
 
 def _check_plan(path: Path, args, cap):
-    from ..bundled import load_profile
     from ..hardware import Hardware, get_hardware
     from ..plan import Plan
     from ..simulator import check_memory
@@ -80,7 +80,7 @@ def _check_plan(path: Path, args, cap):
     try:
         plan.check_against(None, hw)
         if pname:
-            profile = load_profile(pname)
+            profile = plan_profile(plan, path, args.profile)
             plan.check_against(profile, hw)
             cap = cap or plan.memory_cap or (hw.gpu_memory_bytes if hw else None)
             if cap:

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import HarmonyOptError, UsageError
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?::(\d+))?)?$")
 
@@ -57,6 +57,8 @@ def _profile(args):
                          progress=not args.no_progress, seed=args.seed)
     try:
         prof.save(out)
+    except HarmonyOptError:
+        raise
     except OSError as e:
         raise UsageError(f"cannot write the profile to {out}: {e.strerror or e}") from None
     print(f"wrote {out}: {prof.name}, {prof.num_layers} layers, microbatch {', '.join(map(str, prof.sizes('FWD')))}"
@@ -77,6 +79,8 @@ def _probe(args):
     hw = probe_hardware(args.device or _default_device(), sizes, repeats=args.repeats)
     try:
         hw.save(path)
+    except HarmonyOptError:
+        raise
     except OSError as e:
         raise UsageError(f"cannot write the hardware file {path}: {e.strerror or e}") from None
     print(f"wrote {path}: {hw.name}, {hw.gpus} device(s) of {fmt_bytes(hw.gpu_memory_bytes)} usable, "

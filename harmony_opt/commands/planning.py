@@ -7,9 +7,10 @@ from pathlib import Path
 import pandas as pd
 
 from ..bundled import load_profile
-from ..errors import HarmonyOptError, PlanError, UsageError
+from ..errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from ..hardware import get_hardware
 from ..plan import Plan
+from .common import plan_profile
 
 
 def _common(p):
@@ -65,8 +66,8 @@ def register(sub):
 def _inputs(args):
     profile = load_profile(args.profile)
     hw = get_hardware(args.hardware, memory_cap=args.memory_cap)
-    if args.gpus is not None and args.gpus > hw.gpus:
-        raise UsageError(f"--gpus {args.gpus}: hardware {hw.name!r} has {hw.gpus} GPU(s)")
+    if args.gpus is not None and not 1 <= args.gpus <= hw.gpus:
+        raise UsageError(f"--gpus {args.gpus}: hardware {hw.name!r} has {hw.gpus} GPU(s); give 1 to {hw.gpus}")
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
     return profile, hw
@@ -144,10 +145,7 @@ def _simulate(args):
     from ..baselines import score  # noqa: F401  (keeps planners importable)
     from ..simulator import simulate
     plan = Plan.load(args.plan)
-    pname = args.profile or plan.profile.get("name")
-    if not pname:
-        raise UsageError(f"{args.plan}: the plan names no profile; pass --profile")
-    profile = load_profile(pname)
+    profile = plan_profile(plan, args.plan, args.profile)
     if args.hardware:
         hw = get_hardware(args.hardware)
     elif plan.hardware:
@@ -186,7 +184,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
     from ..bound import lower_bound
     from ..simulator import simulate
     cap = hw.gpu_memory_bytes
-    rows, plans = [], {}
+    rows, plans, errors = [], {}, {}
     bound = lower_bound(profile, hw, batch, cap)["bound_s"]
     runs = [("cp-sat", lambda: cp_plan(profile, hw, batch, PlannerOptions(mode=mode, gpus=gpus,
                                                                           time_limit=time_limit), memory_cap=cap))]
@@ -203,6 +201,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
             p = run()
         except HarmonyOptError as e:
             rows.append({"planner": name, "iteration_s": float("nan"), "note": str(e).split(";")[0][:90]})
+            errors[name] = str(e)
             continue
         tl = simulate(p, profile, hw)
         peak = tl.peak_memory()
@@ -222,6 +221,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
     for col in ("gpus", "u_fwd", "u_bwd", "packs_fwd", "packs_bwd"):
         if col in df:
             df[col] = df[col].astype("Int64")     # whole numbers, blank where a planner failed
+    df.attrs["errors"] = errors                   # planner -> its error message, in full
     return df, plans
 
 
@@ -231,6 +231,8 @@ def _compare(args):
     print(f"{profile.name}, minibatch {args.batch}, {hw.name} (cap {hw.gpu_memory_bytes / 2**30:.2f} GiB), "
           f"default cost model")
     print(_show(df))
+    if not plans:   # every planner refused: an infeasible request, worded by the first refusal
+        raise InfeasibleError(f"no planner found a plan; {next(iter(df.attrs['errors'].values()))}")
     if args.output:
         from ..io import atomic_write_text
         atomic_write_text(args.output, df.to_csv(index=False))

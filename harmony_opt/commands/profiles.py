@@ -25,7 +25,7 @@ def _profiles(args):
 
 def _show(args):
     prof = load_profile(args.profile)
-    u = args.microbatch or int(prof.sizes("BWD")[0])
+    u = int(prof.sizes("BWD")[0]) if args.microbatch is None else args.microbatch
     df = layer_table(prof, u)
     print(f"{prof.name}: {prof.num_layers} layers, microbatch {u}  ({prof.meta.get('device', 'device unknown')})")
     print(df.to_string(index=False))

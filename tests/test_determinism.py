@@ -1,0 +1,56 @@
+"""Same inputs, seed and worker count give byte-identical plan files (issue #7).
+
+Wall-clock timings stay on the Plan object and out of the file (Plan.to_json), so the bytes
+depend only on the inputs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harmony_opt.baselines import PLANNERS
+from harmony_opt.errors import InfeasibleError
+from harmony_opt.hardware import get_hardware
+from harmony_opt.plan import Plan
+
+from conftest import synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return synthetic_profile(R=12, seed=3), get_hardware("1080ti-x4", memory_cap="600MB")
+
+
+@pytest.mark.parametrize("name", sorted(PLANNERS))
+def test_baseline_plan_files_are_byte_identical(name, inputs, tmp_path):
+    profile, hw = inputs
+    files = []
+    for i in range(2):
+        try:
+            plan = PLANNERS[name](profile, hw, 8, hw.gpu_memory_bytes)
+        except InfeasibleError:
+            pytest.skip(f"{name} has no plan for these inputs")
+        assert plan.search_time_s is not None and plan.search_time_s > 0     # measured, kept in memory
+        files.append(plan.save(tmp_path / f"{i}.json").read_bytes())
+    assert files[0] == files[1]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_cp_sat_plan_files_are_byte_identical(workers, inputs, tmp_path):
+    from solver_models.planner import PlannerOptions, plan
+    profile, hw = inputs
+    opts = PlannerOptions(time_limit=4, seed=7, workers=workers)
+    a, b = (plan(profile, hw, 8, opts, memory_cap=hw.gpu_memory_bytes) for _ in range(2))
+    assert a.save(tmp_path / "a.json").read_bytes() == b.save(tmp_path / "b.json").read_bytes()
+
+
+def test_timings_and_non_finite_numbers_stay_out_of_the_file(inputs):
+    profile, hw = inputs
+    plan = PLANNERS["l2l"](profile, hw, 8, hw.gpu_memory_bytes)
+    plan = plan.replace(solver={"wall_time_s": 1.5, "bound": float("nan"), "inner": {"wall_time_s": 2.0}},
+                        stats={"efficiency": math.inf})
+    d = Plan.from_dict(__import__("json").loads(plan.to_json())).to_dict()
+    assert d["search_time_s"] is None and d["solver"] == {"wall_time_s": None, "bound": None,
+                                                           "inner": {"wall_time_s": None}}
+    assert d["stats"] == {"efficiency": None}
+    assert plan.search_time_s > 0
