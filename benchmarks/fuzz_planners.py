@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         lines = [f"# Planner fuzz soak", "", f"Command: `.venv/bin/python {cmd}`", "",
                  f"{done} examples (seed {args.seed}, 1..{args.max_layers} layers, {args.large_fraction:.0%} of them "
                  f"with 200 or more, CP-SAT time limit "
-                 f"{args.time_limit} s, {args.workers} worker{"s" if args.workers != 1 else ""}) {per} in {wall:.0f} s: "
+                 f"{args.time_limit} s, {args.workers} worker{'s' if args.workers != 1 else ''}) {per} in {wall:.0f} s: "
                  f"**{n_fail} failures, {n_timeout} timeouts**.", "", f"Code: {code}.", "",
                  "| planner | plan | infeasible | FAIL | TIMEOUT |", "|---|---|---|---|---|"]
         for name in planners:
