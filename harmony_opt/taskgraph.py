@@ -296,6 +296,7 @@ class _Composer:
         self.memory = task_memories(plan, prof)
         self.bwd_at = {p.bwd_index: p for p in self.order if p.kind == TaskKind.BWD}
         self.costs: dict = {}
+        self.statics: dict = {}
 
     def nodes(self) -> list[TaskNode]:
         plan = self.plan
@@ -338,7 +339,24 @@ class _Composer:
         return self.costs[k]
 
     def per_mb(self, phase: str, sizes: list[int], f) -> tuple[int, ...]:
-        return tuple(int(f(self.c(phase, u))) for u in sizes)
+        """``f(costs)`` at each microbatch size (most microbatches have the same size: computed once)."""
+        seen: dict[int, int] = {}
+        out = []
+        for u in sizes:
+            v = seen.get(u)
+            if v is None:
+                v = seen[u] = int(f(self.c(phase, u)))
+            out.append(v)
+        return tuple(out)
+
+    def static(self, a: int, b: int) -> tuple[int, int, int]:
+        """Parameter, buffer and optimizer-state bytes of [a, b]."""
+        v = self.statics.get((a, b))
+        if v is None:
+            prof = self.prof
+            v = self.statics[(a, b)] = (int(prof.param_bytes(a, b)), int(prof.buffer_bytes(a, b)),
+                                        int(prof.optimizer_bytes(a, b)))
+        return v
 
     def medium(self, src: int, dst: int, rebatch: bool = False) -> Medium:
         """An activation between two tasks: swapped on the same GPU, else P2P if there is a GPU link and
@@ -358,8 +376,8 @@ class _Composer:
                         tuple(outs), self.memory.get(p.index, 0))
 
     def weights(self, a: int, b: int) -> list[Flow]:
-        return [Flow(Tensor.W, (a, b), Medium.SHM, (int(self.prof.param_bytes(a, b)),)),
-                Flow(Tensor.B, (a, b), Medium.SHM, (int(self.prof.buffer_bytes(a, b)),))]
+        w, buf, _ = self.static(a, b)
+        return [Flow(Tensor.W, (a, b), Medium.SHM, (w,)), Flow(Tensor.B, (a, b), Medium.SHM, (buf,))]
 
     def stash_bytes(self, bi: int, lo: int, hi: int):
         if self.plan.options[bi].recompute:
@@ -410,7 +428,7 @@ class _Composer:
             nxt = self.order[p.index + 2]
             outs.append(Flow(Tensor.DX, (a, a), self.medium(r, self.rank(nxt)),
                              self.per_mb("BWD", ub, lambda c: c.input[a]), self.key(nxt)))
-        w, n = int(self.prof.param_bytes(a, b)), self.replicas
+        w, n = self.static(a, b)[0], self.replicas
         upd = self.order[p.index + 1]
         if self.allreduce:
             outs.append(Flow(Tensor.DW, (a, b), Medium.P2P, (w,)))      # all-reduce among the replicas
@@ -425,9 +443,9 @@ class _Composer:
         return self.node(p, "gpu", ub, ins, outs)
 
     def update(self, p: Placement) -> TaskNode:
-        plan, prof, (a, b), bi = self.plan, self.prof, p.pack, p.bwd_index
+        plan, (a, b), bi = self.plan, p.pack, p.bwd_index
         src = self.order[p.index - 1]
-        w, kb, n = int(prof.param_bytes(a, b)), int(prof.optimizer_bytes(a, b)), self.replicas
+        (w, _, kb), n = self.static(a, b), self.replicas
         others = [q for q in range(n) if self.replica is not None and q != self.replica]
         shard = n if self.allreduce else 1      # the part of the pack this replica's step updates
         if plan.options[bi].optimizer == "gpu":
