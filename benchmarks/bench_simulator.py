@@ -131,6 +131,7 @@ def random_cases(k: int, seed: int) -> list[dict]:
 def worker(cases_path: str, out_path: str, repeat: int) -> None:
     from harmony_opt import Hardware
     from harmony_opt.bundled import load_profile
+    from harmony_opt.io import atomic_write_bytes
     from harmony_opt.plan import Plan
     from harmony_opt.simulator import simulate
     cases = json.loads(Path(cases_path).read_text())
@@ -152,7 +153,7 @@ def worker(cases_path: str, out_path: str, repeat: int) -> None:
             simulate(plan, prof, hw, memory_cap=c["cap"], with_timeline=False)
             best = min(best, time.perf_counter() - t0)
         times.append(best)
-    Path(out_path).write_bytes(pickle.dumps({"results": results, "times": times}))
+    atomic_write_bytes(out_path, pickle.dumps({"results": results, "times": times}))
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -205,6 +206,7 @@ def main() -> int:
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "simulator"))
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    from harmony_opt.io import atomic_write_text
     revs = list(dict.fromkeys(args.baseline + args.expect_identical))
     labels = {r: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", r], check=True,
                                 capture_output=True, text=True).stdout.strip() for r in revs}
@@ -212,7 +214,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cases_path = tmp / "cases.json"
-        cases_path.write_text(json.dumps(cases))
+        atomic_write_text(cases_path, json.dumps(cases))
         trees = {r: extract(r, tmp / f"rev{i}") for i, r in enumerate(revs)}
         trees["WORKTREE"] = ROOT
         runs: dict[str, list[dict]] = {r: [] for r in trees}
@@ -248,7 +250,7 @@ def main() -> int:
     import pandas as pd
     df = pd.DataFrame(rows)
     out = Path(args.output)
-    df.to_csv(out.with_suffix(".csv"), index=False)
+    atomic_write_text(out.with_suffix(".csv"), df.to_csv(index=False))
     harm = df.iloc[:len(HARMONY_CASES) + 1]
     lines = ["# Default simulator: speed and exactness against earlier revisions", "",
              f"`{' '.join(['benchmarks/bench_simulator.py'] + sys.argv[1:])}`; "
@@ -274,7 +276,7 @@ def main() -> int:
         lines.append(f"- {labels[r]} / current: " + "; ".join(parts))
     lines += notes + ["", markdown(harm), "",
                       f"Random cases: see {out.with_suffix('.csv').name}.", ""]
-    out.with_suffix(".md").write_text("\n".join(lines))
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines))
     print("\n".join(lines))
     return 1 if failed else 0
 
