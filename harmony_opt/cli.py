@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
+    # --debug anywhere on the line, as the hint below suggests: `harmony-opt plan ... --debug` works too
+    argv = ["--debug"] * debug + [a for a in argv if a != "--debug"]
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -135,9 +135,12 @@ def test_cli_exit_2_with_one_line(case, cli_results):
     assert err.startswith("harmony-opt: error: ") and case["fragment"] in err, err
 
 
-def test_debug_shows_the_traceback(monkeypatch, capsys):
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_debug_shows_the_traceback(where, monkeypatch, capsys):
+    """--debug before the command or appended to the line that failed (what the bug hint suggests)."""
     monkeypatch.chdir(ROOT)
-    rc = main(["--debug", "show", "tests/bad_inputs/profiles/nan_time"])
+    argv = ["show", "tests/bad_inputs/profiles/nan_time"]
+    rc = main(["--debug"] + argv if where == "first" else argv + ["--debug"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" in err and "ProfileError" in err
     assert err.rstrip().splitlines()[-1].startswith("harmony-opt: error: ")
