@@ -35,6 +35,7 @@ from harmony_opt.baselines import plan_harmony  # noqa: E402
 from harmony_opt.bundled import load_profile  # noqa: E402
 from harmony_opt.hardware import get_hardware  # noqa: E402
 from harmony_opt.io import atomic_write_text  # noqa: E402
+from harmony_opt.reproduce import markdown_table  # noqa: E402
 from solver_models.planner import PlannerOptions, plan  # noqa: E402
 
 GiB = 2**30
@@ -58,6 +59,8 @@ def run_case(model, batch, mode, gpus, cap, time_limit, workers) -> dict:
     ours = plan(profile, hw, batch, PlannerOptions(time_limit=time_limit, workers=workers, uneven=True),
                 memory_cap=cap)
     s = ours.solver
+    conf = s.get("configuration") or {}
+    tl = s.get("timeline") or {}
     row = {
         "model": model, "batch": batch, "mode": mode, "gpus": gpus, "cap_bytes": cap,
         "harmony_time_s": hp.simulated_iteration_time_s, "harmony_search_s": harmony_s,
@@ -65,8 +68,11 @@ def run_case(model, batch, mode, gpus, cap, time_limit, workers) -> dict:
         "ours_config": f"{ours.mode} x{ours.gpus} u={ours.microbatch_fwd}/{ours.microbatch_bwd} "
                        f"{len(ours.packs_fwd)}F/{len(ours.packs_bwd)}B "
                        f"stash={sum(not o.recompute for o in ours.options)} gpu_opt={sum(o.optimizer == 'gpu' for o in ours.options)}",
-        "ours_objective_s": s["objective"], "fidelity": s["fidelity"], "ours_status": s["status"],
-        "ours_bound_s": s["bound"], "ours_gap": s["gap"], "ours_search_s": ours.search_time_s,
+        "ours_objective_s": s["objective"], "fidelity": s["fidelity"], "source": s["source"],
+        "config_status": conf.get("status"), "config_bound_s": conf.get("bound"), "config_gap": conf.get("gap"),
+        "space_bound_s": s["bound"], "space_gap": s["gap"],
+        "timeline_objective_s": tl.get("objective"), "timeline_gap": tl.get("gap"),
+        "ours_search_s": ours.search_time_s,
         "speedup": hp.simulated_iteration_time_s / ours.simulated_iteration_time_s,
         "lower_bound_s": s["lower_bound_s"], "efficiency": s["lower_bound_s"] / ours.simulated_iteration_time_s,
     }
@@ -103,7 +109,8 @@ def main(argv=None):
         rows.append(row)
         print(f"{row['model']:11s} D={row['batch']} {row['mode']} x{row['gpus']}: harmony {row['harmony_time_s']:.3f} s, "
               f"ours {row['ours_time_s']:.3f} s ({row['ours_config']}), speed-up {row['speedup']:.3f}, "
-              f"fidelity {row['fidelity']:.3f}, gap {row['ours_gap']}, {row['ours_search_s']:.1f} s | "
+              f"model {row['ours_objective_s']}, fidelity {row['fidelity']}, config gap {row['config_gap']}, "
+              f"space gap {row['space_gap']}, timeline gap {row['timeline_gap']}, {row['ours_search_s']:.1f} s | "
               f"harmony space: all {row['hspace_harmony_all_s']:.3f} ours {row['hspace_ours_s']:.3f}", flush=True)
     df = pd.DataFrame(rows)
     if a.only:
@@ -117,7 +124,7 @@ def main(argv=None):
                f"Harmony space (Harmony's cost model): never slower than Harmony with all heuristics in "
                f"{int(df.hspace_never_slower.sum())}/{len(df)} cases; median gain over the published configuration "
                f"{df.hspace_gain_over_published.median():.3f}. Max search time {df.ours_search_s.max():.1f} s.\n")
-    atomic_write_text(out.with_suffix(".md"), df.to_markdown(index=False, floatfmt=".4g") + summary)
+    atomic_write_text(out.with_suffix(".md"), markdown_table(df) + summary)
     print(summary)
     return 0
 

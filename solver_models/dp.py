@@ -1,64 +1,72 @@
-"""Exact dynamic program for the one-chain packing subproblem (the CP-SAT oracle in tests).
+"""Exact dynamic program for one chain (vDP or one GPU): the CP-SAT chain model's test oracle.
 
-With one chain (N = 1 or vDP) and no shared-link constraint binding, the objective in
-objective.py is a sum of per-pack constants, so the best packing is two shortest paths
-over layer boundaries (forward packs 0 -> s, backward packs 0 -> s) plus the criterion
-pack [s, R-1], minimized over s.
+The chain objective (chain.py) is a sum of task loads and of gaps between consecutive tasks,
+each gap a function of the two tasks only. So the best chain is a shortest path whose state
+is the last task placed: walking the junctions in chain order (forward boundaries ascending,
+then backward boundaries descending), the best cost of a chain ending with task b is the
+minimum over the tasks a that can precede it of cost(a) + gap(a, b) + load(b).
+
+The link floor ``T >= N * sum(h2d) / link`` is not a sum over pairs; the DP leaves it out, so
+its optimum equals CP-SAT's wherever the floor does not bind (the tests check both cases).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .arcs import Arcs
-from .objective import SCALE
+from .chain import nodes
+from .tasks import F, TICKS_PER_S, Tasks
+from .timing import chain_gap
 
 
-def _shortest(arcs: Arcs, cost: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray]:
-    """dist[v] = cheapest path of packs covering layers 0..v-1; pred[v] = the arc entering v."""
-    dist = np.full(R + 1, np.inf)
-    pred = np.full(R + 1, -1)
-    dist[0] = 0.0
-    order = np.lexsort((arcs.end, arcs.start))
-    for k in order:  # arcs sorted by start: dist[start] is final when we reach it
-        a, b = int(arcs.start[k]), int(arcs.end[k])
-        c = dist[a] + cost[k]
-        if c < dist[b + 1]:
-            dist[b + 1], pred[b + 1] = c, k
-    return dist, pred
+def pairs(tasks: Tasks) -> int:
+    """How many (predecessor, task) pairs the DP weighs: its work."""
+    into, out = nodes(tasks)
+    return sum(len(into.get(key, ())) * len(v) for key, v in out.items())
 
 
-def _path(arcs: Arcs, pred: np.ndarray, v: int) -> list[tuple[int, int]]:
-    out = []
-    while v > 0:
-        k = int(pred[v])
-        out.append((int(arcs.start[k]), int(arcs.end[k])))
-        v = int(arcs.start[k])
-    return out[::-1]
+def solve_chain(tasks: Tasks) -> tuple[float, list[int]] | None:
+    """(objective in seconds, task sequence) of the best chain, or None if no chain exists.
 
-
-def solve_chain(fwd: Arcs, bwd: Arcs, crit: Arcs, R: int, integer: bool = True):
-    """Minimum of sum(task) + first_load + tail; returns (objective, fwd packs, bwd packs) or None.
-
-    ``integer`` rounds each arc's cost to microseconds exactly as the CP-SAT model does.
-    """
-    def cost(a: Arcs):
-        c = a.task + a.first_load + a.tail
-        return np.round(c * SCALE) if integer else c
-    df, pf = _shortest(fwd, cost(fwd), R)
-    db, pb = _shortest(bwd, cost(bwd), R)
-    cc = cost(crit)
-    best = None
-    for k in range(len(crit)):
-        s = int(crit.start[k])
-        # the first pack overall is the criterion pack itself when s == 0
-        total = cc[k] + (0.0 if s == 0 else df[s] + db[s])
-        if s > 0 and crit.first_load[k] == 0 and not np.isfinite(total):
+    Costs are integer ticks exactly as in the CP-SAT model. Stash variants are not handled
+    (their memory couples forward packs to backward ones): call it on tasks built without them."""
+    t = tasks.table
+    if (~t.recompute).any():
+        raise ValueError("the DP oracle does not handle stash variants; build the tasks with stash=False")
+    c = tasks.ticks()
+    mem, wb, cap = c["mem"], c["wb"], c["cap"]
+    ok = t.mem <= tasks.cap
+    into, out = nodes(tasks)
+    R = tasks.num_layers
+    INF = np.iinfo(np.int64).max // 4
+    cost = np.full(len(t), INF, np.int64)
+    pred = np.full(len(t), -1)
+    order = [("F", v) for v in range(R + 1)] + [("B", v) for v in range(R, 0, -1)]
+    for key in order:
+        outs = [k for k in out.get(key, []) if ok[k]]
+        if not outs:
             continue
-        if np.isfinite(total) and (best is None or total < best[0]):
-            best = (total, s)
-    if best is None:
+        if key == ("F", 0):
+            for k in outs:
+                cost[k] = max(c["hop_in"][k], c["w_load"][k]) + c["load"][k]
+            continue
+        ins = np.array([k for k in into.get(key, []) if ok[k] and cost[k] < INF], int)
+        if len(ins) == 0:
+            continue
+        outs = np.array(outs, int)
+        a, b = ins[:, None], outs[None, :]
+        gap = chain_gap(c["p_first"][a], c["load"][a], c["tail"][a], mem[a], c["hop_in"][b], c["p_last"][b],
+                        c["load"][b], c["w_load"][b], wb[b], mem[b], cap)
+        total = cost[a] + gap                       # [in, out]
+        arg = np.argmin(total, axis=0)              # first minimum: the lowest-numbered predecessor
+        best = total[arg, np.arange(len(outs))] + c["load"][outs]
+        better = best < cost[outs]
+        cost[outs[better]] = best[better]
+        pred[outs[better]] = ins[arg[better]]
+    last = [k for k in range(len(t)) if t.start[k] == 0 and t.kind[k] != F and cost[k] < INF]
+    if not last:
         return None
-    total, s = best
-    packs_f = _path(fwd, pf, s) if s > 0 else []
-    packs_b = (_path(bwd, pb, s) if s > 0 else []) + [(s, R - 1)]
-    return (total / SCALE if integer else total), packs_f, packs_b
+    end = min(last, key=lambda k: (cost[k] + c["tail"][k] + c["upd"][k], k))
+    seq = [end]
+    while pred[seq[-1]] >= 0:
+        seq.append(int(pred[seq[-1]]))
+    return float(cost[end] + c["tail"][end] + c["upd"][end]) / TICKS_PER_S, seq[::-1]

@@ -1,16 +1,28 @@
-"""The CP-SAT planner: mode, GPU count, microbatch sizes and packs, with a proven bound.
+"""The CP-SAT planner: mode, GPU count, microbatch sizes, packs and per-pack options, with a bound.
 
-Decomposition (DESIGN.md, performance rules): an outer loop enumerates the
-configurations that can matter (mode x GPUs x (u_fwd, u_bwd)); each gets a valid
-lower bound (compute of its microbatch sizes spread over its GPUs) and is pruned when
-that bound already exceeds the best simulated plan. The rest are solved by the CP-SAT
-segment model (packing.py), whose solution is then played by the simulator, the judge.
-Harmony's best plan (judged the same way) is the hint for its configuration and the
-incumbent to beat, so the result is never slower than Harmony's search.
+Decomposition (DESIGN.md, performance rules), in four steps under one deterministic budget:
 
-Reported: the CP-SAT objective of the chosen configuration and its simulated time
-(their difference is the model's fidelity), CP-SAT's bound on that configuration's
-objective, and the global lower bound over all plans (harmony_opt.bound).
+1. **Configurations.** Every (mode, GPUs, u_fwd, u_bwd) that can matter (of the sizes giving
+   the same number of microbatches, the smallest). Each gets a cheap valid lower bound on the
+   model's iteration time (``config_bound``: its least compute per GPU and the weights that
+   must cross the host link) and they are visited in the order of that bound.
+2. **A first solution per configuration** on the planner's model of the simulator (timing.py):
+   the exact DP (dp.py) where one GPU runs the whole chain (vDP, one GPU), local search from
+   balanced packs and the hint in vPP (search.py). A configuration whose cheap bound reaches
+   the best model value found is pruned, and so is every later one.
+3. **CP-SAT** on the most promising configurations, started from that solution as a complete
+   hint: the segment model (chain.py) for one chain, the position model (pipeline.py) for vPP.
+   They search per-pack options too (recompute or stash, CPU or GPU optimizer step) and give
+   each configuration its proven bound.
+4. **The simulator judges**: the best candidates (and Harmony's plan, the incumbent) are
+   simulated and the fastest wins, so the result is never slower than Harmony's search. The
+   timeline model (timeline.py) then schedules the chosen plan's events.
+
+Reported in ``plan.solver``: the model's objective for the chosen plan and its agreement with
+the simulator (``fidelity``), the bound over every configuration (CP-SAT's bound where CP-SAT
+ran, the DP optimum or the cheap bound elsewhere) and the gap to it, the chosen
+configuration's CP-SAT status and bound, the timeline model's result, the physical lower bound
+over all plans (harmony_opt.bound) and the speed-up over Harmony's search.
 """
 from __future__ import annotations
 
@@ -22,121 +34,68 @@ import numpy as np
 
 from harmony_opt.baselines import feasible_sizes, plan_harmony
 from harmony_opt.bound import lower_bound
-from harmony_opt.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
-from harmony_opt.harmony_compat import simulate_harmony
-from harmony_opt.simulator import simulate
+from harmony_opt.errors import HarmonyOptError, PlanError, UsageError
 from harmony_opt.hardware import Hardware
+from harmony_opt.harmony_compat import simulate_harmony
 from harmony_opt.memory import explain_infeasible
 from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.profile import Profile
+from harmony_opt.simulator import simulate
 
-from .arcs import MAX_LAYERS_WITH_STASH, Config, build_arcs
-from .packing import Solution, objective_of, solve
+from . import chain, dp, pipeline, search
+from .tasks import MAX_LAYERS_WITH_STASH, Config, Tasks, build_tasks, candidate_cuts
 from .timeline import solve_timeline
+from .timing import evaluate, packs_of, sequence_of
 
 log = logging.getLogger("harmony_opt.plan")
+
+#: The vPP position model is only built up to this many placement Booleans: beyond, it costs
+#: more of the budget than CP-SAT's neighbourhood moves win over the local search.
+MAX_PIPELINE_VARIABLES = 20_000
 
 
 @dataclasses.dataclass
 class PlannerOptions:
     mode: str = "auto"              # auto | vPP | vDP
     gpus: int | None = None         # None: try 1 .. hardware.gpus
-    time_limit: float = 10.0        # work seconds for the whole search (deterministic accounting, see WORK_*)
+    time_limit: float = 10.0        # work seconds for the whole search (deterministic accounting, see Budget)
     seed: int = 0
-    workers: int = 1                # CP-SAT workers; 1 is fastest on these models, >1 runs interleaved (deterministic)
+    workers: int = 1                # CP-SAT workers; >1 runs interleaved (deterministic) search
     rel_gap: float = 1e-3
-    harmony_space: bool = False     # restrict to Harmony's space: u_fwd >= u_bwd, sizes dividing the batch
+    harmony_space: bool = False     # Harmony's space: its mode and GPUs, u_fwd >= u_bwd, sizes dividing the batch
     uneven: bool = False            # allow microbatch sizes that do not divide the batch
     hint: bool = True               # warm start from Harmony's search
     options: bool = True            # search per-pack recompute/stash and CPU/GPU optimizer (off in harmony_space)
     cost_model: str = "default"     # the simulator that judges candidates: default | harmony
 
 
-#: The search budget is counted in deterministic "work seconds", so that the same inputs
-#: give the same plan on a busy or an idle machine: CP-SAT's deterministic time, plus
-#: these costs of model building and simulation, measured on a 2-core machine (about
-#: 60-110 us per simulated event, 20 us per candidate pack). They track wall time within
-#: a small factor.
-WORK_PER_EVENT = 1e-4
-WORK_PER_ARC = 2e-5
-WORK_PER_SOLVE = 0.25   # CP-SAT's start-up and presolve, which its deterministic clock barely counts
+class Budget:
+    """Work seconds, counted deterministically so that the same inputs give the same plan on a busy
+    or an idle machine: CP-SAT's deterministic time plus fixed costs per unit of the other work,
+    measured on a 2-core machine (benchmarks/results/planner.md); they track wall time within a
+    small factor."""
+
+    PER_CONFIG = 3e-3       # building a configuration's candidate tasks: fixed part ...
+    PER_ROW = 1e-6          # ... and per candidate task
+    PER_NODE = 3e-5         # the DP, per layer boundary ...
+    PER_PAIR = 3e-8         # ... and per (predecessor, task) pair it weighs
+    PER_START = 1.2e-5      # a balanced first solution, per task evaluated
+    PER_STEP = 1.5e-5       # a local-search step: fixed part ...
+    PER_TASK = 1.5e-6       # ... and per task of the evaluated sequence
+    PER_EVENT = 8e-6        # the simulator, per event
+    PER_SOLVE = 0.05        # CP-SAT's start-up and presolve, which its deterministic clock barely counts
+
+    def __init__(self, total: float):
+        self.total, self.used = float(total), 0.0
+
+    def spend(self, seconds: float) -> None:
+        self.used += seconds
+
+    def left(self, share: float = 1.0) -> float:
+        return share * self.total - self.used
 
 
-def _compute_bound(profile: Profile, cfg: Config, batch: int, stash: bool) -> float:
-    """Valid lower bound of any plan of this configuration: its least compute spread over its GPUs.
-
-    Every sample passes every layer's backward; with recompute that includes the forward
-    again. With stash variants a backward may skip the recompute, so only ``BWD - FWD``
-    per layer counts (the forward packs add more; leaving them out keeps the bound valid).
-    """
-    R = profile.num_layers
-    share = batch if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)[0]
-    f_max = profile.size_range("FWD")[1]
-    t = 0.0
-    for u in split_microbatches(share, cfg.u_bwd):
-        b = profile.costs("BWD", u).time
-        if stash:
-            b = np.maximum(b - profile.costs("FWD", min(u, f_max)).time, 0.0)
-        t += float(np.sum(b))
-    return t / (cfg.gpus if cfg.mode == "vPP" else 1)
-
-
-def _sizes(sizes: list[int], batch: int, mode: str, gpus: int) -> list[int]:
-    """Of the sizes giving the same number of microbatches, the smallest (= the most even split):
-    a larger one only adds memory and makes the last microbatch smaller."""
-    share = batch if mode == "vPP" else data_shares(batch, gpus)[0]
-    best = {}
-    for u in sorted(sizes):
-        best.setdefault(-(-share // u), u)
-    return sorted(best.values())
-
-
-def configurations(profile: Profile, hw: Hardware, batch: int, opts: PlannerOptions) -> list[Config]:
-    modes = ("vPP", "vDP") if opts.mode == "auto" else (opts.mode,)
-    gpu_counts = [opts.gpus] if opts.gpus else list(range(1, hw.gpus + 1))
-    out = []
-    for mode in modes:
-        for n in gpu_counts:
-            if mode == "vDP" and n > batch:
-                continue
-            if mode == "vDP" and n == 1 and "vPP" in modes:
-                continue        # identical to vPP on one GPU
-            div = not (opts.uneven and not opts.harmony_space)
-            ub = _sizes(feasible_sizes(profile, batch, mode, n, "BWD", divisors_only=div), batch, mode, n)
-            uf = _sizes(feasible_sizes(profile, batch, mode, n, "FWD", divisors_only=div), batch, mode, n)
-            for b in ub:
-                for f in uf:
-                    if opts.harmony_space and f < b:
-                        continue
-                    out.append(Config(mode, n, f, b))
-    return out
-
-
-def _judge(plan_: Plan, profile: Profile, hw: Hardware, cost_model: str) -> tuple[float, int]:
-    """Simulated iteration time (inf if the simulator rejects the plan) and how many events it played."""
-    try:
-        if cost_model == "harmony":
-            tl = simulate_harmony(plan_, profile, with_timeline=False)
-            tasks = len(plan_.packs_fwd) + 2 * len(plan_.packs_bwd)
-            return tl.iteration_time, 4 * tasks * len(plan_.microbatches("BWD"))
-        tl = simulate(plan_, profile, hw, with_timeline=False)
-        return tl.iteration_time, tl.meta["events"]
-    except PlanError:
-        return float("inf"), 0
-
-
-def _as_solution(p: Plan) -> Solution:
-    return Solution(list(p.packs_fwd), list(p.packs_bwd), [(o.recompute, o.optimizer == "gpu") for o in p.options])
-
-
-def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | None = None, *,
-         memory_cap: int | None = None, report=None) -> Plan:
-    """The best plan found, with the solver's statistics in ``plan.solver``.
-
-    Deterministic: the configurations are visited in a fixed order and CP-SAT runs under
-    a deterministic time budget, so the same inputs, seed and workers give the same plan.
-    """
-    opts = options or PlannerOptions()
+def _validate(opts: PlannerOptions, hw: Hardware, batch: int) -> None:
     if opts.mode not in ("auto", "vPP", "vDP"):
         raise UsageError(f"--mode must be auto, vPP or vDP, got {opts.mode!r}")
     if opts.gpus is not None and not 1 <= opts.gpus <= hw.gpus:
@@ -147,21 +106,175 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
         raise UsageError(f"--time-limit must be > 0 seconds, got {opts.time_limit}")
     if opts.cost_model not in ("default", "harmony"):
         raise UsageError(f"--cost-model must be default or harmony, got {opts.cost_model!r}")
+
+
+def _sizes(sizes: list[int], share: int) -> list[int]:
+    """Of the sizes giving the same number of microbatches, the smallest (= the most even split):
+    a larger one only adds memory and makes the last microbatch smaller."""
+    best = {}
+    for u in sorted(sizes):
+        best.setdefault(-(-share // u), u)
+    return sorted(best.values())
+
+
+def configurations(profile: Profile, hw: Hardware, batch: int, opts: PlannerOptions) -> list[Config]:
+    modes = ("vPP", "vDP") if opts.mode == "auto" else (opts.mode,)
+    if opts.harmony_space:
+        gpu_counts = [opts.gpus or hw.gpus]
+    else:
+        gpu_counts = [opts.gpus] if opts.gpus else list(range(1, hw.gpus + 1))
+    out = []
+    for mode in modes:
+        for n in gpu_counts:
+            if mode == "vDP" and n > batch:
+                continue
+            if mode == "vDP" and n == 1 and "vPP" in modes:
+                continue        # identical to vPP on one GPU
+            share = batch if mode == "vPP" else min(data_shares(batch, n))
+            div = not opts.uneven or opts.harmony_space
+            ub = _sizes(feasible_sizes(profile, batch, mode, n, "BWD", divisors_only=div), share)
+            uf = _sizes(feasible_sizes(profile, batch, mode, n, "FWD", divisors_only=div), share)
+            out += [Config(mode, n, f, b) for b in ub for f in uf if not (opts.harmony_space and f < b)]
+    return out
+
+
+def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool) -> float:
+    """A valid lower bound on the model's iteration time of any plan of ``cfg`` (seconds).
+
+    ``T >= one``: the first microbatch passes every task in turn (what a pipeline of few
+    microbatches cannot hide). ``T >= C / ranks`` (compute per GPU) and ``T >= L`` (bytes into
+    the GPUs over the shared host link), so ``T >= mu * C / ranks + (1 - mu) * L`` for every mu
+    in [0, 1]. C counts every layer's backward on every microbatch and the forward of the layers before the smallest
+    criterion pack that fits; L the weights that must come in (every backward pack's and those
+    forward layers', from every replica). Where stash may replace a layer's recompute, its
+    microbatch takes max(backward without recompute, saved activations / link) (tasks.py) >=
+    lam * first + (1 - lam) * second, and its saved activations cross the link: with mu and lam
+    fixed the bound is a sum over layers of the cheaper choice, and the best (mu, lam) of a small
+    grid is taken."""
+    R = profile.num_layers
+    share = batch if cfg.mode == "vPP" else max(data_shares(batch, cfg.gpus))
+    cb = profile.costs("BWD", cfg.u_bwd)
+    fits = np.flatnonzero(cb.pack_memory(np.arange(R), np.full(R, R - 1)) <= cap)
+    if len(fits) == 0:
+        return float("inf")
+    s = int(fits[0])
+    f_max = profile.size_range("FWD")[1]
+    copies = cfg.gpus if cfg.mode == "vDP" else 1
+    wait = (copies + 1) / 2 if hw.shared_host_link else 1
+    link = (hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else cfg.gpus)
+    bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
+    for u in split_microbatches(share, cfg.u_bwd):
+        c = profile.costs("BWD", u)
+        bwd += c.time
+        no_rec += np.maximum(c.time - profile.costs("FWD", min(u, f_max)).time, 0.0)
+        moved += c.saved * wait / hw.h2d_bandwidth
+        saved += c.saved
+    forward = sum(float(profile.costs("FWD", u).pack_time(0, s - 1)) for u in split_microbatches(share, cfg.u_fwd)
+                  ) if s > 0 else 0.0
+    weights = profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1)
+    weights += (profile.param_bytes(0, s - 1) + profile.buffer_bytes(0, s - 1)) if s > 0 else 0
+    n = cfg.ranks
+    # every microbatch passes every task in turn: the first one alone takes its forward and backward
+    first = profile.costs("BWD", split_microbatches(share, cfg.u_bwd)[0])
+    per_layer = first.time                  # a stashed layer may skip its recompute
+    if stash:
+        per_layer = np.maximum(first.time - profile.costs("FWD", min(first.u, f_max)).time, 0.0)
+    one = float(per_layer.sum())
+    if s > 0:
+        one += float(profile.costs("FWD", split_microbatches(share, cfg.u_fwd)[0]).pack_time(0, s - 1))
+    if not stash:
+        return max((float(bwd.sum()) + forward) / n, copies * float(weights) / link, one)
+    best = 0.0
+    rec, link_s = bwd / n, copies * saved / link
+    for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
+        st = (lam * no_rec + (1 - lam) * moved) / n
+        # the bound is concave and piecewise linear in mu: its maximum is at a layer's breakpoint
+        # (where recompute and stash cost the same) or an end of [0, 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            knees = np.where(rec - st + link_s > 0, link_s / (rec - st + link_s), 0.0)
+        mus = np.clip(np.concatenate([[0.0, 1.0], knees]), 0.0, 1.0)[:, None]
+        per_layer = np.minimum(mus * rec, mus * st + (1 - mus) * link_s).sum(axis=1)
+        total = per_layer + mus[:, 0] * forward / n + (1 - mus[:, 0]) * copies * float(weights) / link
+        best = max(best, float(total.max()))
+    return max(best, one)
+
+
+@dataclasses.dataclass
+class _Candidate:
+    cfg: Config
+    tasks: Tasks
+    seq: list
+    value: float                    # the model's iteration time (s)
+    bound: float                    # a valid lower bound on the model's optimum for cfg
+    how: str                        # "dp", "balanced", "search", "cp-sat": what found the sequence
+    solve: object = None            # cpsat.SolveResult where CP-SAT ran
+    proof: str | None = None        # "dp" where the DP proved the sequence optimal for the model
+
+
+def _first_solution(tasks: Tasks, profile: Profile, hint, budget: Budget):
+    """(model value, sequence, bound or None) of a first solution: the DP's optimum for a chain,
+    which also bounds the model's optimum (the DP leaves out only the link floor, which can only
+    add); the best of the hint and balanced packs in vPP (search.py), improved later."""
+    if tasks.cfg.ranks == 1:
+        budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
+        r = dp.solve_chain(tasks)
+        if r is None:
+            return None
+        return evaluate(tasks, r[1]), r[1], r[0]
+    starts, work = search.starts(tasks, profile, hint)
+    budget.spend(Budget.PER_START * work)
+    return (starts[0][0], starts[0][1], None) if starts else None
+
+
+def _improve(c: "_Candidate", steps: int, seed: int, budget: Budget) -> None:
+    """Local search on a vPP candidate (search.py), in place."""
+    value, seq, work = search.improve(c.tasks, c.seq, steps, seed=seed)
+    budget.spend(Budget.PER_STEP * steps + Budget.PER_TASK * work)
+    if value < c.value:
+        c.value, c.seq, c.how = value, seq, "search"
+
+
+def _plan_of(c: _Candidate, seq, batch: int, cap: int, opts: PlannerOptions, ident: dict) -> Plan:
+    f, b, o = packs_of(c.tasks, seq)
+    return Plan("cp-sat", c.cfg.mode, c.cfg.gpus, batch, c.cfg.u_fwd, c.cfg.u_bwd, f, b, c.tasks.num_layers,
+                options=tuple(PackOptions(r, "gpu" if g else "cpu") for r, g in o), allow_uneven=opts.uneven,
+                memory_cap=cap, cost_model=opts.cost_model, **ident)
+
+
+def _judge(plan_: Plan, profile: Profile, hw: Hardware, cost_model: str) -> tuple[float, int]:
+    """Simulated iteration time (inf if the simulator rejects the plan) and how many events it played."""
+    try:
+        if cost_model == "harmony":
+            tl = simulate_harmony(plan_, profile, with_timeline=False)
+            return tl.iteration_time, 4 * (len(plan_.packs_fwd) + 2 * len(plan_.packs_bwd))
+        tl = simulate(plan_, profile, hw, with_timeline=False)
+        return tl.iteration_time, tl.meta["events"]
+    except PlanError:
+        return float("inf"), 0
+
+
+def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | None = None, *,
+         memory_cap: int | None = None, report=None) -> Plan:
+    """The best plan found, with the solver's statistics in ``plan.solver``.
+
+    Deterministic: configurations are visited in a fixed order, the heuristics use seeded
+    generators and fixed step counts, CP-SAT runs under a deterministic time limit, so the same
+    inputs, seed and workers give the same plan."""
+    opts = options or PlannerOptions()
+    _validate(opts, hw, batch)
     cap = int(memory_cap or hw.gpu_memory_bytes)
     say = report or (lambda s: None)
     t_start = time.perf_counter()
-    R = profile.num_layers
-    search_options = opts.options and not opts.harmony_space
+    budget = Budget(opts.time_limit)
     ident = {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()}
+    search_options = opts.options and not opts.harmony_space
+    stash = search_options and profile.num_layers <= MAX_LAYERS_WITH_STASH
 
-    # incumbent: Harmony's search judged by our simulator (the hint, and the plan to beat)
-    best_plan, best_t, harmony_t = None, float("inf"), None
+    # -- Harmony's search: the incumbent (never slower than it), the hint, the speed-up's reference
+    incumbent, best_t, harmony_t = None, float("inf"), None
     if opts.hint:
-        modes = ("vPP", "vDP") if opts.mode == "auto" else (opts.mode,)
-        for mode in modes:
+        for mode in (("vPP", "vDP") if opts.mode == "auto" else (opts.mode,)):
             try:
-                # in Harmony's space the incumbent is Harmony's search with all its heuristics,
-                # so the result is never slower than it
                 packing = "all" if opts.harmony_space else "published"
                 hp = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=opts.gpus or hw.gpus,
                                   packing_fwd=packing, packing_bwd=packing, cost_model=opts.cost_model)
@@ -169,126 +282,189 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
                 continue
             t = hp.simulated_iteration_time_s
             if t is not None and t < best_t:
-                best_plan, best_t, harmony_t = hp, t, t
-        if best_plan is not None:
-            say(f"hint: Harmony's search, {best_plan.mode} x{best_plan.gpus} u={best_plan.microbatch_fwd}/"
-                f"{best_plan.microbatch_bwd}: {best_t:.4f} s simulated")
+                incumbent, best_t, harmony_t = hp, t, t
+        if incumbent is not None:
+            say(f"hint: Harmony's search, {incumbent.mode} x{incumbent.gpus} u={incumbent.microbatch_fwd}/"
+                f"{incumbent.microbatch_bwd}: {best_t:.4f} s simulated")
 
+    # -- 1. configurations, by their cheap bound (the hint's first: its model value prunes early)
     configs = configurations(profile, hw, batch, opts)
-    stash = search_options and R <= MAX_LAYERS_WITH_STASH
-    bounds = {c: _compute_bound(profile, c, batch, stash) for c in configs}
-    configs.sort(key=lambda c: (bounds[c], str(c)))
-    if best_plan is not None:   # the hint's configuration first: its bound is reported if the hint wins
-        hc = Config(best_plan.mode, best_plan.gpus, best_plan.microbatch_fwd, best_plan.microbatch_bwd)
-        if hc in bounds:
-            configs.remove(hc)
-            configs.insert(0, hc)
-    say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes); solving in order of their bound")
-    stats = {"configurations": len(configs), "solved": 0, "pruned": 0, "infeasible": 0, "timed_out": 0}
-    best_cfg_result = None
-    det_used = solver_time = 0.0
-    # the timeline model of the chosen plan gets 15 % of the budget (1 work second at most)
-    timeline_budget = min(1.0, 0.15 * opts.time_limit) if opts.cost_model == "default" else 0.0
-    packing_budget = opts.time_limit - timeline_budget
-    per_config = max(1.0, packing_budget / 4)
-    solved = {}                 # Config -> (PackingResult, Phases)
+    bounds = {c: config_bound(profile, hw, batch, c, cap, stash) for c in configs}
+    configs = sorted((c for c in configs if np.isfinite(bounds[c])), key=lambda c: (bounds[c], str(c)))
+    hint_cfg = None
+    if incumbent is not None:
+        hint_cfg = Config(incumbent.mode, incumbent.gpus, incumbent.microbatch_fwd, incumbent.microbatch_bwd)
+        if hint_cfg in configs:
+            configs.remove(hint_cfg)
+            configs.insert(0, hint_cfg)
+    say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound")
+    stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
+
+    # -- 2. a first solution per configuration, on the model
+    found: list[_Candidate] = []
+    open_bound = float("inf")          # least cheap bound of the configurations not evaluated
+    best_value = float("inf")
     for i, cfg in enumerate(configs):
-        if bounds[cfg] >= best_t and i > 0:
+        if bounds[cfg] >= best_value:
             stats["pruned"] += len(configs) - i
             break
-        remaining = packing_budget - det_used
-        if remaining <= 0.05:
-            stats["timed_out"] += len(configs) - i
+        if budget.left(0.45) <= 0:
+            stats["out_of_budget"] += len(configs) - i
+            open_bound = bounds[cfg]
             break
-        ph = build_arcs(profile, hw, batch, cfg, cap, options=search_options)
-        det_used += WORK_PER_ARC * (len(ph.fwd) + len(ph.bwd) + len(ph.crit))
-        if len(ph.crit) == 0 or (len(ph.bwd) == 0 and ph.crit.start.min() > 0):
-            stats["infeasible"] += 1
-            continue
+        keep = ()
+        if cfg == hint_cfg:
+            keep = [a for a, _ in incumbent.packs_fwd] + [a for a, _ in incumbent.packs_bwd]
+        tasks = build_tasks(profile, hw, batch, cfg, cap, gpu_opt=search_options, stash=False,
+                            cuts=candidate_cuts(profile, cfg.u_bwd, keep=keep))
+        budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
         hint = None
-        if best_plan is not None and (best_plan.mode, best_plan.gpus, best_plan.microbatch_fwd,
-                                      best_plan.microbatch_bwd) == (cfg.mode, cfg.gpus, cfg.u_fwd, cfg.u_bwd):
-            hint = _as_solution(best_plan)
-        res = solve(ph, R, cfg, hw, time_limit=min(remaining, per_config),
-                    seed=opts.seed, workers=opts.workers, rel_gap=opts.rel_gap, hint=hint)
-        solver_time += res.wall_time
-        det_used += res.deterministic_time + WORK_PER_SOLVE
-        if res.objective is None:
+        if cfg == hint_cfg:
+            try:
+                hint = sequence_of(tasks, incumbent.packs_fwd, incumbent.packs_bwd,
+                                   [(o.recompute, o.optimizer == "gpu") for o in incumbent.options])
+            except KeyError:
+                hint = None
+        first = _first_solution(tasks, profile, hint, budget) if len(tasks.table) else None
+        if first is None or not np.isfinite(first[0]):
             stats["infeasible"] += 1
             continue
-        stats["solved"] += 1
-        solved[cfg] = (res, ph)
-        # the simulator judges the solver's solution and its last earlier incumbent, unless
-        # the model already rates them no better than the best plan (it under-estimates)
-        sols = [Solution(res.packs_fwd, res.packs_bwd, res.options)] + res.earlier[:1]
-        scored = []
-        for sol in sols if res.objective < best_t else sols[:0]:
-            opts_b = tuple(PackOptions(r, "gpu" if g else "cpu") for r, g in sol.options)
-            cand = Plan("cp-sat", cfg.mode, cfg.gpus, batch, cfg.u_fwd, cfg.u_bwd, sol.packs_fwd, sol.packs_bwd, R,
-                        options=opts_b, allow_uneven=opts.uneven, memory_cap=cap, cost_model=opts.cost_model,
-                        **ident)
-            t, n_events = _judge(cand, profile, hw, opts.cost_model)
-            det_used += WORK_PER_EVENT * n_events
-            scored.append((t, cand, sol))
-        if not scored:
-            say(f"[{i + 1}/{len(configs)}] {cfg}: CP-SAT {res.status.lower()} {res.objective:.4f} s "
-                f"(bound {res.bound:.4f} s), not better than the best simulated plan")
-            continue
-        t, candidate, sol = min(scored, key=lambda x: x[0])
-        improved = t < best_t
-        say(f"[{i + 1}/{len(configs)}] {cfg}: CP-SAT {res.status.lower()} {res.objective:.4f} s "
-            f"(bound {res.bound:.4f} s), simulated {t:.4f} s{'  <- best' if improved else ''}")
-        if improved:
-            best_plan, best_t = candidate, t
-            best_cfg_result = (cfg, res, ph, sol)
+        stats["evaluated"] += 1
+        value, seq, dp_bound = first
+        bound = max(bounds[cfg], dp_bound if dp_bound is not None else 0.0)
+        found.append(_Candidate(cfg, tasks, seq, value, bound, "dp" if dp_bound is not None else "balanced"))
+        if value < best_value:
+            best_value = value
+            say(f"[{i + 1}/{len(configs)}] {cfg}: model {value:.4f} s  <- best so far")
+    # local search on the most promising vPP configurations (a chain's DP solution is already optimal)
+    vpp = sorted((c for c in found if c.cfg.ranks > 1), key=lambda c: (c.value, str(c.cfg)))
+    steps = 2000 if opts.time_limit >= 5 else 600
+    for k, c in enumerate(vpp[:3]):
+        if budget.left(0.6) <= 0:
+            break
+        _improve(c, steps, opts.seed + k, budget)
+        say(f"local search {c.cfg}: model {c.value:.4f} s")
 
+    if not found and incumbent is None:
+        raise explain_infeasible(profile, cap, feasible_sizes(profile, batch, "vDP", hw.gpus, "FWD"),
+                                 feasible_sizes(profile, batch, "vDP", hw.gpus, "BWD"))
+
+    # -- 3. CP-SAT on the most promising configurations (options and stash variants included)
+    found.sort(key=lambda c: (c.value, str(c.cfg)))
+    timeline_share = 0.1 if opts.cost_model == "default" else 0.0
+    cp_budget_end = 1.0 - timeline_share
+    for c in found[:4]:
+        left = budget.left(cp_budget_end)
+        if left <= 0.05:
+            break
+        if c.cfg.ranks == 1 and not stash and c.how == "dp" and c.value <= c.bound + 1e-9:
+            c.proof = "dp"      # the DP's optimum, and the link floors it leaves out do not bind: optimal
+            continue
+        tasks, seq = c.tasks, c.seq
+        if stash:      # offer the stash variants to CP-SAT (the heuristics above leave them out)
+            tasks = build_tasks(profile, hw, batch, c.cfg, cap, gpu_opt=search_options, stash=True, cuts=c.tasks.cuts)
+            budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
+            idx = tasks.table.index()
+            seq = [idx[c.tasks.table.key(k)] for k in c.seq]
+        limit = max(0.5, min(left, 0.4 * budget.total))
+        label = str(c.cfg)
+        if c.cfg.ranks == 1:
+            res = chain.solve(tasks, time_limit=limit, seed=opts.seed, workers=opts.workers, rel_gap=opts.rel_gap,
+                              hint=seq, report=say, label=label)
+        else:
+            nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
+            lay = pipeline.layout(tasks, nf + 2 * c.cfg.ranks, len(seq) - nf + 2 * c.cfg.ranks)
+            if sum(len(r) for r in lay.rows) > MAX_PIPELINE_VARIABLES:
+                continue        # too large to pay off in the budget: the local search's solution stands
+            res = pipeline.solve(tasks, layout_=lay, time_limit=limit, seed=opts.seed, workers=opts.workers,
+                                 rel_gap=opts.rel_gap, hint=seq, report=say, label=label)
+        budget.spend(res.deterministic_time + Budget.PER_SOLVE)
+        c.solve = res
+        if res.objective is not None:
+            v = evaluate(tasks, res.sequence)
+            if v <= c.value:
+                c.tasks, c.seq, c.value, c.how = tasks, res.sequence, v, "cp-sat"
+            if c.cfg.ranks == 1:
+                # a bound on every plan of the configuration (vPP: only on plans with at most the
+                # positions the model was given, so it is not used)
+                c.bound = max(c.bound, res.bound)
+        shown = "no solution" if res.objective is None else f"{res.objective:.4f} s"
+        say(f"CP-SAT {label}: {res.status.lower()}, {shown}, bound {res.bound:.4f} s")
+
+    # -- 4. the simulator judges the best candidates; Harmony's plan is the incumbent
+    found.sort(key=lambda c: (c.value, str(c.cfg)))
+    best_plan, best_c = incumbent, None
+    for c in found[:6]:
+        cand = _plan_of(c, c.seq, batch, cap, opts, ident)
+        t, events = _judge(cand, profile, hw, opts.cost_model)
+        budget.spend(Budget.PER_EVENT * events)
+        say(f"simulated {c.cfg} ({c.how}): {t:.4f} s (model {c.value:.4f} s)" + ("  <- best" if t < best_t else ""))
+        if t < best_t:
+            best_plan, best_t, best_c = cand, t, c
     if best_plan is None:
         raise explain_infeasible(profile, cap, feasible_sizes(profile, batch, "vDP", hw.gpus, "FWD"),
                                  feasible_sizes(profile, batch, "vDP", hw.gpus, "BWD"))
+
+    # the bound over the searched space: every configuration's own bound (evaluated ones) and the
+    # cheap bound of those not evaluated
+    space_bound = min([c.bound for c in found] + [open_bound])
+    if best_c is not None:
+        model_value = best_c.value
+    else:                                  # Harmony's plan won: its value on our model, if representable
+        model_value = _model_value_of(incumbent, profile, hw, batch, cap, search_options)
     lb = lower_bound(profile, hw, batch, cap)
-    cfg = Config(best_plan.mode, best_plan.gpus, best_plan.microbatch_fwd, best_plan.microbatch_bwd)
-    sol = _as_solution(best_plan)
-    if cfg in solved:
-        res, ph = solved[cfg]
-        cfg_bound, status = res.bound, res.status
-    else:
-        ph = build_arcs(profile, hw, batch, cfg, cap, options=search_options)
-        cfg_bound, status = float("nan"), "NOT_SOLVED"
-    try:
-        objective = objective_of(ph, cfg, hw, sol.packs_fwd, sol.packs_bwd, sol.options)
-    except KeyError:            # a pack of the hint is not a candidate (e.g. longer than MAX_ARCS_PER_START)
-        objective = None
-    packing = {"status": status, "objective": objective, "bound": cfg_bound,
-               "gap": (objective - cfg_bound) / objective if objective and cfg_bound == cfg_bound else None}
-    # the timeline model schedules the chosen plan's events: its objective is the CP-SAT
-    # estimate of the iteration time, its bound what no schedule of these events beats
     timeline = None
-    if timeline_budget > 0:
-        tr = solve_timeline(best_plan, profile, hw, time_limit=timeline_budget, seed=opts.seed,
+    if timeline_share > 0:
+        tr = solve_timeline(best_plan, profile, hw, time_limit=max(0.2, min(1.0, budget.left())), seed=opts.seed,
                             workers=opts.workers, report=say)
         timeline = {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "gap": tr.gap,
                     "events": tr.events, "wall_time_s": tr.wall_time}
-        solver_time += tr.wall_time
-    elapsed = time.perf_counter() - t_start
-    final = timeline if timeline and timeline["objective"] is not None else packing
-    global_bound = lb["bound_s"]     # no plan beats the physical lower bound
+    conf = None
+    if best_c is not None:
+        r = best_c.solve if best_c.solve is not None and best_c.solve.objective is not None else None
+        if best_c.proof == "dp":
+            status, proof = "OPTIMAL", "dp"
+        elif r is not None and r.status == "OPTIMAL" and best_c.cfg.ranks == 1:
+            status, proof = "OPTIMAL", "cp-sat"
+        else:
+            status, proof = "FEASIBLE", None
+        conf = {"configuration": str(best_c.cfg), "status": status, "proof": proof, "found_by": best_c.how,
+                "objective": best_c.value, "bound": best_c.bound,
+                "gap": max(0.0, (best_c.value - best_c.bound) / best_c.value),
+                "cp_sat": None if best_c.solve is None else {"status": best_c.solve.status,
+                                                            "wall_time_s": best_c.solve.wall_time}}
     solver = {
-        "status": final["status"],
-        "objective": final["objective"],
-        "bound": final["bound"],
-        "gap": final["gap"],
-        "model": "timeline" if final is timeline else "packing",
-        "source": "harmony-hint" if best_cfg_result is None else "cp-sat",
-        "fidelity": (abs(final["objective"] - best_t) / best_t) if final["objective"] else None,
-        "packing": packing,
+        "status": conf["status"] if conf else "NOT_SOLVED",
+        "model": None if best_c is None else ("chain" if best_c.cfg.ranks == 1 else "pipeline"),
+        "objective": model_value,
+        "bound": space_bound,
+        "gap": (model_value - space_bound) / model_value if model_value else None,
+        "fidelity": abs(model_value - best_t) / best_t if model_value else None,
+        "source": "harmony-hint" if best_c is None else best_c.how,
+        "configuration": conf,
         "timeline": timeline,
-        "wall_time_s": solver_time,
-        "work_s": det_used,
-        "lower_bound_s": global_bound,
-        "gap_to_lower_bound": (best_t - global_bound) / best_t,
+        "wall_time_s": time.perf_counter() - t_start,
+        "work_s": budget.used,
+        "lower_bound_s": lb["bound_s"],
+        "gap_to_lower_bound": (best_t - lb["bound_s"]) / best_t,
         "harmony_time_s": harmony_t,
         "speedup_over_harmony": (harmony_t / best_t) if harmony_t else None,
         **stats,
     }
-    return best_plan.replace(planner="cp-sat", simulated_iteration_time_s=best_t, search_time_s=elapsed,
-                             solver=solver, stats={"efficiency": global_bound / best_t})
+    return best_plan.replace(planner="cp-sat", simulated_iteration_time_s=best_t,
+                             search_time_s=time.perf_counter() - t_start, solver=solver,
+                             stats={"efficiency": lb["bound_s"] / best_t})
+
+
+def _model_value_of(p: Plan, profile, hw, batch, cap, options: bool) -> float | None:
+    """The model's iteration time of a given plan (None if one of its packs is not a candidate)."""
+    cfg = Config(p.mode, p.gpus, p.microbatch_fwd, p.microbatch_bwd)
+    keep = [a for a, _ in p.packs_fwd] + [a for a, _ in p.packs_bwd]
+    tasks = build_tasks(profile, hw, batch, cfg, cap, gpu_opt=True, stash=False,
+                        cuts=candidate_cuts(profile, cfg.u_bwd, keep=keep))
+    try:
+        seq = sequence_of(tasks, p.packs_fwd, p.packs_bwd, [(o.recompute, o.optimizer == "gpu") for o in p.options])
+    except KeyError:
+        return None
+    v = evaluate(tasks, seq)
+    return v if np.isfinite(v) else None

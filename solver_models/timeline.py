@@ -32,9 +32,9 @@ from ortools.sat.python import cp_model
 from harmony_opt.hardware import Hardware
 from harmony_opt.plan import Plan
 from harmony_opt.profile import Profile
-from harmony_opt.simulator import _H2D, _Expansion, check_memory
+from harmony_opt.simulator import _Expansion, check_memory
 
-from .objective import SCALE
+SCALE = 1e6   # seconds -> integer microseconds (the timeline model keeps event times exact to 1 us)
 
 
 @dataclasses.dataclass

@@ -1,39 +1,107 @@
-"""The CP-SAT planner: equals the exact DP where both apply, valid plans, explanations, determinism."""
+"""The CP-SAT planner: its models equal the exact DP where both apply, their objectives are what
+their packs are worth, bounds are bounds, plans are valid, infeasible requests are explained,
+and the same inputs give the same plan."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from harmony_opt import InfeasibleError, get_hardware
+from harmony_opt import InfeasibleError, get_hardware, load_profile
+from harmony_opt.baselines import plan_harmony
 from harmony_opt.simulator import simulate
-from solver_models.arcs import Config, build_arcs
-from solver_models.dp import solve_chain
-from solver_models.packing import objective_of, solve
-from solver_models.planner import PlannerOptions, plan
+from solver_models import chain, dp, pipeline, search
+from solver_models.planner import PlannerOptions, config_bound, plan
+from solver_models.tasks import Config, build_tasks
+from solver_models.timing import evaluate, packs_of, sequence_of
 
 from conftest import synthetic_profile
 
-HW1 = get_hardware("1080ti-x4").with_gpus(1)
 
-
-@settings(max_examples=25, deadline=None)
-@given(st.integers(3, 40), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
-       st.floats(0.15, 1.0))
-def test_cp_sat_equals_dp_on_one_gpu(R, seed, uf, ub, tight):
+def _instance(R, seed, uf, ub, tight, gpus=1, mode=None):
     prof = synthetic_profile(R=R, seed=seed)
+    hw = get_hardware("1080ti-x4").with_gpus(gpus)
     full = int(prof.costs("BWD", ub).pack_memory(0, R - 1))
     single = max(int(prof.costs(ph, u).memory.max()) for ph, u in (("BWD", ub), ("FWD", uf)))
     cap = max(single, int(full * tight))
-    cfg = Config("vPP", 1, uf, ub)
-    ph = build_arcs(prof, HW1, 8, cfg, cap, options=False)
-    dp = solve_chain(ph.fwd, ph.bwd, ph.crit, R)
-    res = solve(ph, R, cfg, HW1, time_limit=20)
-    if dp is None:
+    cfg = Config(mode or ("vDP" if gpus > 1 else "vPP"), gpus, uf, ub)
+    return prof, hw, cap, cfg
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(3, 24), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
+       st.floats(0.15, 1.0), st.sampled_from([1, 2]))
+def test_cp_sat_chain_model_equals_the_dp(R, seed, uf, ub, tight, gpus):
+    prof, hw, cap, cfg = _instance(R, seed, uf, ub, tight, gpus)
+    tasks = build_tasks(prof, hw, 8, cfg, cap, stash=False)
+    exact = dp.solve_chain(tasks)
+    res = chain.solve(tasks, time_limit=30, rel_gap=0.0)
+    if exact is None:
         assert res.objective is None
         return
+    value, seq = exact
+    # the DP leaves out the shared link's phase floors; where they do not bind, both agree exactly
     assert res.status == "OPTIMAL"
-    assert res.objective == pytest.approx(dp[0], abs=2e-6)
-    # the packs the solver returns have the objective it reports
-    assert objective_of(ph, cfg, HW1, res.packs_fwd, res.packs_bwd, res.options) == pytest.approx(res.objective,
-                                                                                                    abs=2e-6)
+    assert evaluate(tasks, seq) >= value - 1e-9
+    if evaluate(tasks, seq) == pytest.approx(value, abs=1e-9):
+        assert res.objective == pytest.approx(value, abs=1e-9)
+    else:
+        assert value - 1e-9 <= res.objective <= evaluate(tasks, seq) + 1e-9
+    # the packs CP-SAT returns are worth exactly what it reports
+    assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(4, 12), st.integers(0, 1000), st.sampled_from([2, 4]), st.floats(0.3, 1.0), st.sampled_from([2, 3]))
+def test_pipeline_model_objective_is_what_its_packs_are_worth(R, seed, u, tight, gpus):
+    prof, hw, cap, cfg = _instance(R, seed, u, u, tight, gpus, mode="vPP")
+    tasks = build_tasks(prof, hw, 8, cfg, cap, stash=False)
+    starts, _ = search.starts(tasks, prof)
+    if not starts:
+        return
+    value, seq, _ = search.improve(tasks, starts[0][1], 200, seed=seed)
+    nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
+    res = pipeline.solve(tasks, max_fwd=nf + 2, max_bwd=len(seq) - nf + 2, time_limit=3, hint=seq)
+    assert res.objective is not None and res.objective <= value + 1e-9   # the hint is a solution
+    assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
+    assert res.bound <= res.objective + 1e-9
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(3, 16), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
+       st.floats(0.2, 1.0), st.sampled_from([(1, "vPP"), (2, "vDP"), (2, "vPP")]), st.booleans())
+def test_configuration_bound_is_below_every_plan_of_the_configuration(R, seed, uf, ub, tight, gm, stash):
+    gpus, mode = gm
+    prof, hw, cap, cfg = _instance(R, seed, uf, ub, tight, gpus, mode=mode)
+    tasks = build_tasks(prof, hw, 8, cfg, cap, stash=stash)
+    starts, _ = search.starts(tasks, prof, tries=10)
+    bound = config_bound(prof, hw, 8, cfg, cap, stash)
+    for value, seq in starts:
+        assert bound <= value + 1e-9
+    if cfg.ranks == 1 and not stash:
+        exact = dp.solve_chain(tasks)
+        assert exact is None or bound <= exact[0] + 1e-9
+
+
+def test_local_search_is_deterministic_and_never_worse():
+    prof, hw, cap, cfg = _instance(14, 3, 2, 2, 0.4, 2, mode="vPP")
+    tasks = build_tasks(prof, hw, 8, cfg, cap)
+    (v0, seq0), *_ = search.starts(tasks, prof)[0]
+    a = search.improve(tasks, seq0, 300, seed=5)
+    b = search.improve(tasks, seq0, 300, seed=5)
+    assert a == b and a[0] <= v0
+
+
+@pytest.mark.parametrize("name,batch,mode,gpus,cap", [
+    ("gpt2_medium", 64, "vPP", 4, 10 * 2**30), ("gpt2_xl", 32, "vDP", 2, 10 * 2**30),
+    ("bert_large", 32, "vPP", 2, 10 * 2**30)])
+def test_model_agrees_with_the_simulator_on_harmony_plans(name, batch, mode, gpus, cap):
+    """The planner's model of the simulator (timing.py) on plans it did not choose: within 3 %."""
+    prof = load_profile(name)
+    hw = get_hardware("1080ti-x4").with_gpus(gpus)
+    hp = plan_harmony(prof, hw, batch, cap, mode=mode, gpus=gpus)
+    tasks = build_tasks(prof, hw, batch, Config(mode, gpus, hp.microbatch_fwd, hp.microbatch_bwd), cap)
+    seq = sequence_of(tasks, hp.packs_fwd, hp.packs_bwd, [(True, False)] * len(hp.packs_bwd))
+    model = evaluate(tasks, seq)
+    assert abs(model - hp.simulated_iteration_time_s) <= 0.03 * hp.simulated_iteration_time_s
+    assert packs_of(tasks, seq)[:2] == ([tuple(p) for p in hp.packs_fwd], [tuple(p) for p in hp.packs_bwd])
 
 
 def test_planner_returns_valid_plans_under_the_cap():
@@ -45,8 +113,20 @@ def test_planner_returns_valid_plans_under_the_cap():
     tl = simulate(p, prof, hw, memory_cap=cap)
     assert max(tl.peak_memory().values()) <= cap
     assert tl.iteration_time == pytest.approx(p.simulated_iteration_time_s)
-    assert p.solver["lower_bound_s"] <= p.simulated_iteration_time_s
-    assert p.solver["status"] in ("OPTIMAL", "FEASIBLE")
+    s = p.solver
+    assert s["lower_bound_s"] <= p.simulated_iteration_time_s
+    assert s["bound"] <= s["objective"] + 1e-9
+    assert s["fidelity"] == pytest.approx(abs(s["objective"] - p.simulated_iteration_time_s)
+                                          / p.simulated_iteration_time_s)
+
+
+def test_planner_is_never_slower_than_harmony_and_beats_it_here():
+    prof = load_profile("bert_large")
+    hw = get_hardware("1080ti-x4")
+    p = plan(prof, hw, 64, PlannerOptions(time_limit=5), memory_cap=10 * 2**30)
+    s = p.solver
+    assert p.simulated_iteration_time_s <= s["harmony_time_s"]
+    assert s["speedup_over_harmony"] > 1.05      # bert_large: Harmony's vPP packs are unbalanced
 
 
 def test_same_seed_same_plan():
@@ -55,8 +135,7 @@ def test_same_seed_same_plan():
     cap = int(prof.costs("BWD", 4).pack_memory(0, 9) * 0.5)
     a = plan(prof, hw, 8, PlannerOptions(time_limit=5, hint=False, seed=1), memory_cap=cap)
     b = plan(prof, hw, 8, PlannerOptions(time_limit=5, hint=False, seed=1), memory_cap=cap)
-    strip = lambda p: {k: v for k, v in p.to_dict().items() if k not in ("search_time_s", "solver")}  # noqa: E731
-    assert strip(a) == strip(b)
+    assert a.to_json() == b.to_json()
 
 
 def test_infeasible_request_is_explained():
@@ -105,21 +184,5 @@ def test_timeline_model_schedules_the_simulated_events_at_least_as_well():
     # a real schedule of the same events, so it is no earlier than the model's own bound
     assert r.bound_s - 1e-6 <= r.makespan_s <= r.simulated_s + 1e-6
     assert len(r.starts) == r.events
-    # what the planner reports is this model's objective and its agreement with the simulator
-    assert p.solver["model"] == "timeline"
-    assert p.solver["fidelity"] == pytest.approx(abs(p.solver["objective"] - p.simulated_iteration_time_s)
-                                                 / p.simulated_iteration_time_s)
-    assert p.solver["fidelity"] <= 0.03
-
-
-def test_same_inputs_give_byte_identical_plan_json():
-    prof = synthetic_profile(R=10, seed=5)
-    hw = get_hardware("1080ti-x4").with_gpus(2)
-    cap = int(prof.costs("BWD", 4).pack_memory(0, 9) * 0.5)
-    a = plan(prof, hw, 8, PlannerOptions(time_limit=3, seed=3), memory_cap=cap)
-    b = plan(prof, hw, 8, PlannerOptions(time_limit=3, seed=3), memory_cap=cap)
-    keep = lambda p: p.replace(search_time_s=None, solver={k: v for k, v in p.solver.items()  # noqa: E731
-                                                           if "wall" not in k}
-                               | {"timeline": {k: v for k, v in (p.solver["timeline"] or {}).items()
-                                               if "wall" not in k}})
-    assert keep(a).to_json() == keep(b).to_json()
+    tl = p.solver["timeline"]
+    assert tl["bound"] - 1e-6 <= tl["objective"] <= p.simulated_iteration_time_s + 1e-6

@@ -87,6 +87,31 @@ def _show(df: pd.DataFrame) -> str:
     return df.astype(object).where(df.notna(), "").to_string(index=False)
 
 
+def solver_summary(s: dict) -> list[str]:
+    """What the planner proved about its plan, in a few lines (plan.solver, see docs/planner.md)."""
+    def pct(v):
+        return f"{v:.2%}" if v is not None else "n/a"
+    out = []
+    if s.get("objective") is not None:
+        what = "one chain per GPU" if s["model"] == "chain" else "pipeline over the GPUs"
+        out.append(f"planner's model of the simulator ({what}): {s['objective']:.4f} s for this plan, "
+                   f"|model - simulated| = {pct(s['fidelity'])}")
+    c = s.get("configuration")
+    if c:
+        how = {"dp": "proven optimal for the model by the exact DP", "cp-sat": "proven optimal for the model by CP-SAT"}
+        proof = how.get(c["proof"], f"best found ({c['found_by']}), bound {c['bound']:.4f} s, gap {pct(c['gap'])}")
+        out.append(f"configuration {c['configuration']}: {proof}")
+    if s.get("bound") is not None and s.get("objective") is not None:
+        out.append(f"bound over every configuration searched: {s['bound']:.4f} s, gap {pct(s['gap'])} "
+                   f"({s['evaluated']} evaluated, {s['pruned']} pruned by their bound"
+                   + (f", {s['out_of_budget']} not reached in the time limit" if s.get("out_of_budget") else "") + ")")
+    t = s.get("timeline")
+    if t and t.get("objective") is not None:
+        out.append(f"timeline model of this plan's events (CP-SAT {t['status'].lower()}): {t['objective']:.4f} s, "
+                   f"bound {t['bound']:.4f} s, gap {pct(t['gap'])}")
+    return out
+
+
 def _plan(args):
     from solver_models.planner import PlannerOptions, plan
     profile, hw = _inputs(args)
@@ -99,13 +124,10 @@ def _plan(args):
     print(f"plan: {_describe(p)}, {sum(not o.recompute for o in p.options)} stashed pack(s), "
           f"{sum(o.optimizer == 'gpu' for o in p.options)} GPU optimizer step(s)")
     print(f"simulated iteration time {p.simulated_iteration_time_s:.4f} s ({p.cost_model} cost model)")
-    if s["objective"] is not None:
-        gap = f"{s['gap']:.2%}" if s["gap"] is not None else "n/a"
-        fid = f"{s['fidelity']:.2%}" if s["fidelity"] is not None else "n/a"
-        print(f"CP-SAT {s['model']} model: objective {s['objective']:.4f} s, bound {s['bound']:.4f} s, gap {gap}, "
-              f"status {s['status']}; |objective - simulated| = {fid}")
-    print(f"lower bound over all plans {s['lower_bound_s']:.4f} s, efficiency {p.stats['efficiency']:.3f}; "
-          f"search {p.search_time_s:.2f} s")
+    for line in solver_summary(s):
+        print(line)
+    print(f"search {p.search_time_s:.2f} s; lower bound over all plans {s['lower_bound_s']:.4f} s, "
+          f"efficiency {p.stats['efficiency']:.3f}")
     if s.get("speedup_over_harmony"):
         print(f"Harmony's search on the same inputs: {s['harmony_time_s']:.4f} s -> speed-up "
               f"{s['speedup_over_harmony']:.3f}x" + ("  (its plan was the best found)" if s["source"] ==

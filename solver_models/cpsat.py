@@ -1,0 +1,138 @@
+"""What the CP-SAT models share: solver parameters, hints, progress, the result.
+
+OR-tools style (STYLE.md): parameters set explicitly (deterministic time limit, seed,
+workers), the hint completed to a full solution so CP-SAT starts from it, every improving
+solution reported with its objective and the bound, and the result branches on the status.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from collections import defaultdict
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from .tasks import B, F, TICKS_PER_S, Tasks
+
+
+@dataclasses.dataclass
+class SolveResult:
+    status: str                      # OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, MODEL_INVALID
+    objective: float | None          # s
+    bound: float                     # s: CP-SAT's proven lower bound on the model's optimum
+    sequence: list                   # task rows in chain order (timing.sequence_of)
+    wall_time: float
+    deterministic_time: float
+    earlier: list = dataclasses.field(default_factory=list)   # earlier improving sequences, newest first
+    variables: int = 0
+
+    @property
+    def gap(self) -> float | None:
+        if self.objective is None or self.objective <= 0:
+            return None
+        return max(0.0, (self.objective - self.bound) / self.objective)
+
+
+class Progress(cp_model.CpSolverSolutionCallback):
+    """Reports every improving solution with its objective and the current bound; keeps the last few."""
+
+    KEEP = 4
+
+    def __init__(self, report, label: str, decode: Callable[[Callable], list]):
+        super().__init__()
+        self.report, self.label, self.decode = report, label, decode
+        self.kept, self.count = [], 0
+
+    def on_solution_callback(self):
+        self.count += 1
+        self.kept = ([self.decode(self.boolean_value)] + self.kept)[: self.KEEP]
+        if self.report:
+            self.report(f"  {self.label}: solution {self.count}: {self.objective_value / TICKS_PER_S:.4f} s "
+                        f"(bound {self.best_objective_bound / TICKS_PER_S:.4f} s, {self.wall_time:.2f} s)")
+
+
+def complete_hint(model: cp_model.CpModel, fixed: dict) -> bool:
+    """Hint every variable of ``model``: fix the ``fixed`` Booleans ({var: value}) in a copy, solve
+    it (the rest follows by propagation and a tiny search) and hint the whole solution. A
+    partial hint of a model with many derived variables is often not completed by CP-SAT."""
+    probe = model.clone()
+    for var, value in fixed.items():
+        probe.add(probe.get_bool_var_from_proto_index(var.index) == int(value))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 5.0
+    solver.parameters.num_workers = 1
+    if solver.solve(probe) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return False
+    for i, value in enumerate(solver.response_proto.solution):
+        model.add_hint(model.get_int_var_from_proto_index(i), value)
+    return True
+
+
+def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_limit: float, seed: int, workers: int,
+        rel_gap: float, report=None, label: str = "", variables: int = 0, params: dict | None = None) -> SolveResult:
+    """Solve ``model`` (minimizing) under a deterministic time limit; ``decode(value)`` turns an
+    assignment into a task sequence."""
+    t0 = time.perf_counter()
+    solver = cp_model.CpSolver()
+    p = solver.parameters
+    p.max_deterministic_time = float(time_limit)
+    p.max_time_in_seconds = 4.0 * float(time_limit) + 5.0     # a guard only; the deterministic limit binds first
+    p.num_workers = int(workers)
+    p.interleave_search = int(workers) > 1
+    p.random_seed = int(seed)
+    p.relative_gap_limit = float(rel_gap)
+    for k, v in (params or {}).items():
+        setattr(p, k, v)
+    cb = Progress(report, label, decode)
+    status = solver.solve(model, cb)
+    name = solver.status_name(status)
+    wall = time.perf_counter() - t0
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        bound = solver.best_objective_bound / TICKS_PER_S if status == cp_model.UNKNOWN else float("inf")
+        return SolveResult(name, None, bound, [], wall, solver.deterministic_time, [], variables)
+    seq = decode(solver.boolean_value)
+    return SolveResult(name, solver.objective_value / TICKS_PER_S, solver.best_objective_bound / TICKS_PER_S, seq,
+                       wall, solver.deterministic_time, [s for s in cb.kept if s != seq], variables)
+
+
+def stash_memory(m: cp_model.CpModel, tasks: Tasks, chosen: dict) -> None:
+    """A forward pack holds one microbatch of the saved activations of its stashed layers until
+    they leave (timing.stash_fits). ``chosen[row]`` lists the Booleans that place task ``row``
+    (one in the chain model, one per position in the pipeline model). Per layer one stash
+    indicator (the sum of the stash variants covering it); per forward pack, only where stashing
+    could overflow it, ``sum(saved_l * stash_l) <= cap - mem`` when the pack is used."""
+    t = tasks.table
+    if tasks.saved_fwd is None:
+        return
+    cover = defaultdict(list)
+    for k, vs in chosen.items():
+        if t.kind[k] == B and not t.recompute[k]:
+            for layer in range(int(t.start[k]), int(t.end[k]) + 1):
+                cover[layer].extend(vs)
+    if not cover:
+        return
+    saved = np.round(tasks.saved_fwd).astype(np.int64)
+    stashed = {}
+    for layer, vs in cover.items():
+        stashed[layer] = m.new_bool_var(f"stash_{layer}")
+        m.add(stashed[layer] == sum(vs))
+    prefix = np.concatenate([[0], np.cumsum(saved)])
+    for k, vs in chosen.items():
+        if t.kind[k] != F:
+            continue
+        a, b = int(t.start[k]), int(t.end[k])
+        slack = int(tasks.cap - t.mem[k])
+        if prefix[b + 1] - prefix[a] <= slack:
+            continue        # even stashing all its layers fits
+        terms = [int(saved[layer]) * stashed[layer] for layer in range(a, b + 1) if layer in stashed]
+        if not terms:
+            continue
+        if len(vs) == 1:
+            used = vs[0]
+        else:
+            used = m.new_bool_var(f"used_{k}")
+            m.add(used == sum(vs))
+        m.add(sum(terms) <= slack).only_enforce_if(used)

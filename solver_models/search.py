@@ -1,0 +1,134 @@
+"""Starting points for the CP-SAT models: balanced packings and a local search on the model.
+
+The vPP pipeline model (pipeline.py) has a weak LP relaxation, so CP-SAT needs a good
+first solution. The recurrence it encodes is cheap to evaluate (``pipeline.evaluate``,
+microseconds), so a few thousand steps of local search find one: starting from packs
+balanced by compute time (and from the hint, e.g. Harmony's plan), move one pack boundary,
+split a pack or merge two, and keep the change when the model says the iteration is no
+slower. The random choices come from a seeded generator and the number of steps is fixed,
+so the result is deterministic.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from .tasks import C, Tasks
+from .timing import evaluate, sequence_of
+
+
+def _cut_packs(cuts: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Packs [lo, hi] cut before each of ``cuts`` (sorted, inside (lo, hi])."""
+    b = [lo] + [c for c in cuts if lo < c <= hi] + [hi + 1]
+    return [(b[i], b[i + 1] - 1) for i in range(len(b) - 1)]
+
+
+def _sequence(tasks: Tasks, fcuts, bcuts, s: int, opts=None) -> list[int] | None:
+    """The task sequence of forward cuts, backward cuts and the criterion start s; None if a
+    pack is not a candidate (too large, or not between candidate boundaries)."""
+    R = tasks.num_layers
+    fwd = _cut_packs(fcuts, 0, s - 1) if s > 0 else []
+    bwd = (_cut_packs(bcuts, 0, s - 1) if s > 0 else []) + [(s, R - 1)]
+    opts = opts or {}
+    try:
+        return sequence_of(tasks, fwd, bwd, [opts.get(p, (True, False)) for p in bwd])
+    except KeyError:
+        return None
+
+
+def balanced(tasks: Tasks, profile, n_fwd: int, n_bwd: int, s: int) -> list[int] | None:
+    """Forward and backward packs of about equal compute time over layers 0..s-1 (at the candidate
+    boundaries nearest to equal shares), the criterion pack [s, R-1]."""
+    cuts = tasks.cuts
+
+    def split(phase, u, k):
+        if s <= 0 or k <= 1:
+            return []
+        t = profile.costs(phase, u)._pt[: s + 1]        # prefix sums of the layer times
+        pos = np.clip(np.searchsorted(t, t[-1] * np.arange(1, k) / k), 1, s - 1)
+        snapped = cuts[np.clip(np.searchsorted(cuts, pos), 0, len(cuts) - 1)]
+        return sorted({int(c) for c in snapped if 0 < c < s})
+    return _sequence(tasks, split("FWD", tasks.cfg.u_fwd, n_fwd), split("BWD", tasks.cfg.u_bwd, n_bwd), s)
+
+
+def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6) -> tuple[list, int]:
+    """Candidate first solutions, best first: the hint and balanced packings over a grid of
+    pack counts and criterion-pack sizes; and the work done (tasks evaluated)."""
+    t = tasks.table
+    crit = np.unique(t.start[t.kind == C])
+    out = []
+    if hint is not None:
+        out.append((evaluate(tasks, hint), list(hint)))
+    n = tasks.cfg.ranks
+    counts = sorted({1, 2, 4, 8, 16, 32, n, 2 * n, 3 * n, 4 * n})
+    for s in sorted({int(crit[0]), int(crit[min(len(crit) - 1, 1)]), int(crit[len(crit) // 4])}):
+        for nf in counts:
+            for nb in counts:
+                seq = balanced(tasks, profile, nf, nb, s)
+                if seq is not None:
+                    out.append((evaluate(tasks, seq), seq))
+    work = sum(len(seq) for _, seq in out)
+    out = [o for o in out if np.isfinite(o[0])]
+    out.sort(key=lambda o: o[0])
+    uniq, seen = [], set()
+    for v, seq in out:
+        if tuple(seq) not in seen:
+            seen.add(tuple(seq))
+            uniq.append((v, seq))
+    return uniq[:tries], work
+
+
+def improve(tasks: Tasks, seq: list[int], steps: int, seed: int = 0) -> tuple[float, list[int], int]:
+    """Local search from ``seq``: move, add or remove one pack boundary (or toggle a backward pack's
+    optimizer placement); keep changes the model rates no slower. Deterministic for a seed.
+    Returns (model value, sequence, work: tasks evaluated)."""
+    rng = random.Random(seed)
+    t = tasks.table
+    cuts = tasks.cuts.tolist()
+    pos = {c: i for i, c in enumerate(cuts)}
+    fwd = [int(t.start[k]) for k in seq if t.kind[k] == 0][1:]
+    bks = [k for k in seq if t.kind[k] != 0]
+    s = int(t.start[bks[0]])
+    bwd = sorted(int(t.start[k]) for k in bks[1:])
+    opts = {(int(t.start[k]), int(t.end[k])): (bool(t.recompute[k]), bool(t.gpu_opt[k])) for k in bks}
+    best_v, best = evaluate(tasks, seq), list(seq)
+    cur = (fwd, bwd, s)
+    work = len(seq)
+    for _ in range(steps):
+        f, b, s0 = list(cur[0]), list(cur[1]), cur[2]
+        r = rng.random()
+        if r < 0.1:        # move the criterion pack's start
+            i = pos.get(s0, 0) + rng.choice((-2, -1, 1, 2))
+            if not 0 < i < len(cuts) - 1:
+                continue
+            s0 = cuts[i]
+        else:
+            lst = f if r < 0.5 else b
+            op = rng.random()
+            if op < 0.6 and lst:
+                j = rng.randrange(len(lst))
+                i = pos[lst[j]] + rng.choice((-1, 1)) * rng.choice((1, 1, 2, 3, 5))
+                if not 0 < i < len(cuts):
+                    continue
+                lst[j] = cuts[i]
+            elif op < 0.8:
+                lst.append(cuts[rng.randrange(1, len(cuts) - 1)])
+            elif lst:
+                lst.pop(rng.randrange(len(lst)))
+            lst[:] = sorted(set(lst))
+        new_opts = dict(opts)
+        if rng.random() < 0.15 and t.gpu_opt.any():
+            packs = _cut_packs(b, 0, s0 - 1) + [(s0, tasks.num_layers - 1)]
+            p = packs[rng.randrange(len(packs))]
+            rec, gpu = new_opts.get(p, (True, False))
+            new_opts[p] = (rec, not gpu)
+        cand = _sequence(tasks, f, b, s0, new_opts)
+        if cand is None:
+            continue
+        v = evaluate(tasks, cand)
+        work += len(cand)
+        if v <= best_v:
+            cur, opts = (f, b, s0), new_opts
+            best_v, best = v, cand
+    return best_v, best, work

@@ -1,0 +1,332 @@
+"""Per-pack task costs for one configuration: what the pipeline model and its evaluator read.
+
+A configuration (mode, GPUs, forward and backward microbatch sizes) fixes everything about
+a pack's task except which pack it is, so every candidate pack gets constant costs, computed
+with the Profile's prefix sums for all candidates at once. Each candidate is a row of
+:class:`TaskTable` (``kind`` F: forward pack, C: the criterion pack ``[s, R-1]`` that holds
+the loss, B: any other backward pack), one row per per-pack option variant of a backward pack.
+
+The quantities follow the default simulator's rules (harmony_opt/simulator.py, docs/cost_model.md):
+
+* ``p_first`` / ``p_last``: compute of the task's first / last microbatch; ``load``: of all of them;
+* ``hop_in``: latency of one microbatch's input handoff from the previous task (P2P between
+  GPUs, through host memory on one GPU or when microbatches are re-batched);
+* ``w_load``: bringing the pack's weights (and the optimizer state for a GPU step) in;
+* ``mem`` / ``wb``: the bytes the task holds / those reserved when its weights start coming in;
+* ``tail``: from the last compute to the moment the task frees its memory (last output
+  transfer, all-reduce and gradient swap-out); ``upd``: the CPU optimizer step after that;
+* ``h2d`` / ``d2h``: bytes over the host link, for the link's capacity.
+
+In vDP the replicas run in lockstep on one shared host link: their simultaneous transfers take
+turns, so a transfer takes (N + 1) / 2 times as long as alone on average, and the link's
+capacity bounds the sum of all replicas' bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from harmony_opt.hardware import Hardware
+from harmony_opt.memory import max_pack_end
+from harmony_opt.plan import data_shares, split_microbatches
+from harmony_opt.profile import Profile
+
+F, C, B = 0, 1, 2          # task kinds in TaskTable.kind
+TICKS_PER_S = 10_000       # the models' integer time unit: 100 us (small coefficients keep CP-SAT's LP well scaled)
+MEM_UNIT = 2**20           # the memory rules count MiB
+TIME_COLUMNS = ("p_first", "p_last", "load", "hop_in", "w_load", "tail", "upd")
+KIND_NAMES = "FCB"
+
+#: At most this many candidate packs per start boundary (the longest that fit), so models of
+#: up to this many layers (or candidate boundaries) are searched without restriction.
+MAX_ARCS_PER_START = 128
+
+#: Stash (no-recompute) variants are offered up to this many layers: each couples a
+#: backward pack to the forward packs holding its layers (their memory).
+MAX_LAYERS_WITH_STASH = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    mode: str
+    gpus: int
+    u_fwd: int
+    u_bwd: int
+
+    def __str__(self):
+        return f"{self.mode} x{self.gpus} u_fwd={self.u_fwd} u_bwd={self.u_bwd}"
+
+    @property
+    def ranks(self) -> int:
+        """GPUs one copy of the task chain is dealt over: N in vPP, 1 in vDP (each GPU runs it all)."""
+        return self.gpus if self.mode == "vPP" else 1
+
+
+@dataclasses.dataclass
+class TaskTable:
+    """Candidate tasks of one configuration: parallel arrays, one row per (pack, option variant)."""
+
+    kind: np.ndarray          # F, C or B
+    start: np.ndarray         # first layer
+    end: np.ndarray           # last layer (inclusive)
+    recompute: np.ndarray     # bool (backward: recompute the forward; False: stashed activations)
+    gpu_opt: np.ndarray       # bool (backward: optimizer step on the GPU)
+    p_first: np.ndarray       # s
+    p_last: np.ndarray        # s
+    load: np.ndarray          # s
+    hop_in: np.ndarray        # s
+    w_load: np.ndarray        # s
+    mem: np.ndarray           # bytes
+    wb: np.ndarray            # bytes
+    tail: np.ndarray          # s
+    upd: np.ndarray           # s
+    h2d: np.ndarray           # bytes into the GPU (during the task's own phase)
+    d2h: np.ndarray           # bytes out of the GPU ...
+    d2h_fwd: np.ndarray       # ... of which during the forward phase (a backward pack's stashed input)
+    _index: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __len__(self):
+        return len(self.kind)
+
+    def key(self, k: int) -> tuple:
+        """(kind, first, last, recompute, gpu optimizer) of row k: what a plan records of it."""
+        return (int(self.kind[k]), int(self.start[k]), int(self.end[k]), bool(self.recompute[k]),
+                bool(self.gpu_opt[k]))
+
+    def index(self) -> dict:
+        """{key: row} (built once)."""
+        if self._index is None:
+            self._index = {self.key(k): k for k in range(len(self))}
+        return self._index
+
+    @staticmethod
+    def concat(parts: list["TaskTable"]) -> "TaskTable":
+        return TaskTable(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(TaskTable)
+                           if f.init and not f.name.startswith("_")))
+
+
+@dataclasses.dataclass
+class Tasks:
+    """Everything the pipeline model reads for one configuration."""
+
+    cfg: Config
+    table: TaskTable
+    num_layers: int
+    cap: int
+    microbatches: tuple[int, int]      # forward and backward microbatches per copy of the chain
+    link_bw: tuple[float, float]       # bytes/s through the shared host link per direction
+    link_copies: int                   # copies of the chain that share the host link (vDP: N)
+    saved_fwd: np.ndarray | None       # bytes per layer a stashed layer adds to its forward pack
+    fwd_mem: np.ndarray | None         # bytes: working set of each F row without stash (aligned with F rows)
+    cuts: np.ndarray                   # boundaries where packs may start/end (all, unless coarsened)
+    _ticks: dict | None = dataclasses.field(default=None, repr=False)
+
+    def ticks(self) -> dict:
+        """The integer columns every model reads (built once): times in ticks of 1/TICKS_PER_S s,
+        ``link_in``/``link_out``/``link_out_fwd`` (ticks of all chain copies' transfers on the shared
+        link; the last: what leaves during the forward phase), ``backward`` (1 for backward packs), and
+        ``mem``/``wb`` with ``cap`` in MiB for the memory rules (rounded up, the cap down, so two
+        tasks the models let overlap really fit together)."""
+        if self._ticks is None:
+            t = self.table
+            d = {f: np.round(getattr(t, f) * TICKS_PER_S).astype(np.int64) for f in TIME_COLUMNS}
+            d["link_in"] = np.round(self.link_copies * t.h2d / self.link_bw[0] * TICKS_PER_S).astype(np.int64)
+            d["link_out"] = np.round(self.link_copies * t.d2h / self.link_bw[1] * TICKS_PER_S).astype(np.int64)
+            d["link_out_fwd"] = np.round(self.link_copies * t.d2h_fwd / self.link_bw[1] * TICKS_PER_S).astype(np.int64)
+            d["backward"] = (t.kind == B).astype(np.int64)
+            d["mem"] = np.ceil(t.mem / MEM_UNIT).astype(np.int64)
+            d["wb"] = np.ceil(t.wb / MEM_UNIT).astype(np.int64)
+            d["cap"] = int(self.cap // MEM_UNIT)
+            # rows for timing.evaluate's single gather: times, exact memory (the cap check), mem, wb, link
+            d["stacked"] = np.stack([d[f] for f in TIME_COLUMNS] + [np.ceil(t.mem).astype(np.int64), d["mem"], d["wb"],
+                                                                    d["link_in"], d["link_out"], d["link_out_fwd"],
+                                                                    d["backward"]])
+            d["cap_exact"] = int(self.cap)
+            self._ticks = d
+        return self._ticks
+
+
+def candidate_cuts(profile: Profile, u_bwd: int, max_cuts: int = 129, keep=()) -> np.ndarray:
+    """Layer boundaries where packs may start and end: all of them for models of up to
+    ``max_cuts - 1`` layers; for longer models the boundaries that split the backward compute
+    time into equal parts (a pack is then a run of these blocks), plus the ``keep`` ones."""
+    R = profile.num_layers
+    if R + 1 <= max_cuts:
+        return np.arange(R + 1)
+    cum = np.concatenate([[0.0], np.cumsum(profile.costs("BWD", u_bwd).time)])
+    targets = np.linspace(0.0, cum[-1], max_cuts)
+    cuts = np.searchsorted(cum, targets, side="left")
+    return np.unique(np.concatenate([[0, R - 1, R], np.clip(cuts, 0, R), np.asarray(list(keep), int)]))
+
+
+def enumerate_packs(max_end: np.ndarray, lo: int, hi: int, cuts: np.ndarray,
+                    per_start: int = MAX_ARCS_PER_START) -> tuple[np.ndarray, np.ndarray]:
+    """All packs [i, j] with i, j + 1 in ``cuts``, lo <= i <= j <= min(max_end[i], hi), the
+    ``per_start`` longest per start."""
+    is_cut = np.zeros(len(max_end) + 2, bool)
+    is_cut[cuts] = True
+    starts, ends = [], []
+    for i in cuts:
+        i = int(i)
+        if not lo <= i <= hi:
+            continue
+        top = min(int(max_end[i]), hi)
+        if top < i:
+            continue
+        js = np.arange(i, top + 1)
+        js = js[is_cut[js + 1]][-per_start:]
+        starts.append(np.full(len(js), i))
+        ends.append(js)
+    if not starts:
+        return np.zeros(0, int), np.zeros(0, int)
+    return np.concatenate(starts), np.concatenate(ends)
+
+
+def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, *,
+                gpu_opt: bool = True, stash: bool = True, cuts: np.ndarray | None = None) -> Tasks:
+    """Every candidate task of ``cfg`` with its costs (see the module docstring): backward packs
+    with the optimizer step on the GPU where ``gpu_opt``, with stashed activations where ``stash``
+    (and the model has at most MAX_LAYERS_WITH_STASH layers)."""
+    R = profile.num_layers
+    cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
+    share = batch if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)[0]
+    uf_list, ub_list = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
+    f_max = profile.size_range("FWD")[1]
+    n = cfg.gpus
+    chain = cfg.ranks == 1
+    copies = n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1
+    # N replicas' simultaneous transfers take turns on the link; they meet at every all-reduce,
+    # where the one served last sets the pace
+    wait = copies
+    bw_in, bw_out = hw.h2d_bandwidth / wait, hw.d2h_bandwidth / wait
+    p2p = hw.p2p_bandwidth if (not chain and hw.p2p_bandwidth > 0) else 0.0
+    replicas = n if cfg.mode == "vDP" and n > 1 and hw.p2p_bandwidth > 0 else 1
+    cf, cb = profile.costs("FWD", cfg.u_fwd), profile.costs("BWD", cfg.u_bwd)
+    cf_first, cf_last = profile.costs("FWD", uf_list[0]), profile.costs("FWD", uf_list[-1])
+    cb_first, cb_last = profile.costs("BWD", ub_list[0]), profile.costs("BWD", ub_list[-1])
+
+    def total(phase, us, fn):
+        return sum(fn(profile.costs(phase, u)) for u in us)
+
+    def handoff(x_send, x_recv):
+        """Latency of moving one microbatch's activation to the next task (on another GPU if p2p)."""
+        if p2p > 0:
+            return x_send / p2p
+        return x_send / bw_out + x_recv / bw_in
+
+    def send(x):
+        """Time until the sender is rid of an output: P2P, or its swap-out to host."""
+        return x / p2p if p2p > 0 else x / bw_out
+
+    parts = []
+    # ---- forward packs over 0 .. R-2 (the criterion pack holds R-1)
+    fs, fe = enumerate_packs(max_pack_end(cf, cap), 0, R - 2, cuts)
+    wb = profile.param_bytes(fs, fe) + profile.buffer_bytes(fs, fe)
+    x_first = cf_first.input[fs]
+    y_last = cf_last.input[fe + 1]
+    x_all = total("FWD", uf_list, lambda c: c.input[fs])
+    y_all = total("FWD", uf_list, lambda c: c.input[fe + 1])
+    via_host = p2p == 0
+    fwd_mem = np.asarray(cf.pack_memory(fs, fe), np.float64)
+    parts.append(_table(
+        F, fs, fe, True, False,
+        p_first=cf_first.pack_time(fs, fe), p_last=cf_last.pack_time(fs, fe),
+        load=total("FWD", uf_list, lambda c: c.pack_time(fs, fe)),
+        hop_in=np.where(fs == 0, x_first / bw_in, handoff(x_first, x_first)),
+        w_load=wb / bw_in, mem=fwd_mem, wb=wb, tail=send(y_last), upd=0.0,
+        h2d=wb + np.where((fs == 0) | via_host, x_all, 0), d2h=np.where(via_host, y_all, 0),
+        d2h_fwd=np.where(via_host, y_all, 0)))
+
+    # ---- backward packs (variants) and the criterion pack
+    rebatch = cfg.u_fwd != cfg.u_bwd
+
+    def backward(kind, s, e, recompute, gpu_opt):
+        w = profile.param_bytes(s, e)
+        k_opt = profile.optimizer_bytes(s, e)
+        wbb = w + profile.buffer_bytes(s, e)
+        p_first, p_last = cb_first.pack_time(s, e), cb_last.pack_time(s, e)
+        load = total("BWD", ub_list, lambda c: c.pack_time(s, e))
+        hop_extra = 0.0
+        if not recompute:     # the backward skips the forward it would recompute ...
+            def fwd_of(c):
+                return np.minimum(profile.costs("FWD", min(c.u, f_max)).pack_time(s, e), c.pack_time(s, e))
+
+            def step(c):      # ... but each microbatch waits for its saved activations to come in
+                return np.maximum(c.pack_time(s, e) - fwd_of(c), c.pack_saved(s, e) / bw_in)
+            p_first, p_last = step(cb_first), step(cb_last)
+            load = total("BWD", ub_list, step)
+            hop_extra = cb_first.pack_saved(s, e) / bw_in
+            # the forward packs send them out: what the forward compute does not hide, layer by layer
+            out_s = total("FWD", uf_list, lambda c: c.saved / bw_out - c.time)
+            exposed = np.concatenate([[0.0], np.cumsum(np.maximum(out_s, 0.0))])
+            load = load + exposed[e + 1] - exposed[s]
+        mem = np.asarray(cb.pack_memory(s, e), np.float64)
+        # input: the loss pack's from the last forward pack (re-batched through host when the sizes
+        # differ), a backward pack's dY from the previous backward pack; the first pack's from host
+        x_in = cb_first.input[s] if kind == C else cb_first.input[e + 1]
+        if kind == C:
+            y_src = cf_last.input[s]
+            hop = np.where(s == 0, x_in / bw_in,
+                           y_src / bw_out + x_in / bw_in if (rebatch or p2p == 0) else y_src / p2p)
+        else:
+            hop = handoff(x_in, x_in) + hop_extra
+        # outputs: dX of the last microbatch to the next backward pack; weight gradients
+        dx = np.where(s > 0, send(cb_last.input[s]), 0.0)
+        ard = 2 * (n - 1) / n * w / hw.p2p_bandwidth if replicas > 1 else np.zeros(len(s))
+        if gpu_opt:
+            step = (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth
+            p_last, load = p_last + step, load + step
+            grads = (w + k_opt) / replicas
+            upd = np.zeros(len(s))
+        else:
+            grads = w / replicas
+            upd = profile.cpu_update_time(s, e) * hw.cpu_optimizer_scale / replicas
+            if cfg.mode == "vDP" and n > 1 and replicas == 1:
+                upd = upd + (n - 1) * w / hw.host_copy_bandwidth / n
+        grad_out = ard + grads / bw_out
+        tail = dx + grad_out if chain else np.maximum(dx, grad_out)
+        # bytes over the host link: weights (+ state), stashed input or activations, dY/dX via host
+        stash_in = total("BWD", ub_list, (lambda c: c.input[s]) if recompute else (lambda c: c.pack_saved(s, e)))
+        stash_out = total("FWD", uf_list, (lambda c: c.input[s]) if recompute else (lambda c: c.pack_saved(s, e)))
+        if kind == C:
+            stash_in = np.where((s == 0) | via_host | rebatch, total("BWD", ub_list, lambda c: c.input[s]), 0)
+            stash_out = np.zeros(len(s))
+        dy_all = total("BWD", ub_list, lambda c: c.input[e + 1]) if kind == B else 0
+        dx_all = np.where(s > 0, total("BWD", ub_list, lambda c: c.input[s]), 0)
+        h2d = wbb + (k_opt if gpu_opt else 0) + stash_in + (dy_all if via_host else 0)
+        d2h = grads + stash_out + np.where(via_host, dx_all, 0)
+        return _table(kind, s, e, recompute, gpu_opt, p_first=p_first, p_last=p_last, load=load, hop_in=hop,
+                      w_load=(wbb + (k_opt if gpu_opt else 0)) / bw_in,
+                      mem=mem + (k_opt if gpu_opt else 0), wb=wbb, tail=tail, upd=upd, h2d=h2d, d2h=d2h,
+                      d2h_fwd=stash_out)
+
+    stash_ok = stash and R <= MAX_LAYERS_WITH_STASH
+    bs, be = enumerate_packs(max_pack_end(cb, cap), 0, R - 2, cuts)
+    cs = np.array([s for s in cuts if s <= R - 1 and cb.pack_memory(int(s), R - 1) <= cap], int)
+    ce = np.full(len(cs), R - 1)
+    variants = [(True, False)] + ([(True, True)] if gpu_opt else []) + \
+        ([(False, False)] + ([(False, True)] if gpu_opt else []) if stash_ok else [])
+    for kind, s0, e0 in ((B, bs, be), (C, cs, ce)):
+        for recompute, on_gpu in variants:
+            if kind == C and not recompute:
+                continue          # the loss pack runs its forward and backward together: nothing to stash
+            keep = np.ones(len(s0), bool)
+            if on_gpu:            # the state must fit beside the working set
+                keep &= cb.pack_memory(s0, e0) + profile.optimizer_bytes(s0, e0) <= cap
+            s, e = s0[keep], e0[keep]
+            if len(s):
+                parts.append(backward(kind, s, e, recompute, on_gpu))
+    table = TaskTable.concat(parts)
+    saved = np.asarray(cf.saved, np.float64) if stash_ok else None
+    return Tasks(cfg, table, R, int(cap), (len(uf_list), len(ub_list)),
+                 ((hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else n),
+                  (hw.link_bandwidth or hw.d2h_bandwidth) * (1 if hw.shared_host_link else n)),
+                 copies if cfg.mode == "vDP" else 1, saved, fwd_mem if stash_ok else None, cuts)
+
+
+def _table(kind, s, e, recompute, gpu_opt, **cols) -> TaskTable:
+    n = len(s)
+    arr = {k: np.broadcast_to(np.asarray(v, np.float64), (n,)).copy() for k, v in cols.items()}
+    return TaskTable(np.full(n, kind, np.int8), np.asarray(s, int), np.asarray(e, int), np.full(n, bool(recompute)),
+                     np.full(n, bool(gpu_opt)), **arr)

@@ -1,0 +1,150 @@
+"""The planner's model of the simulator: the iteration time of a sequence of tasks.
+
+A plan's tasks form one chain: forward packs in layer order, the criterion pack (the one
+holding the loss), then the backward packs in reverse layer order (``sequence_of``). In vPP
+the task at position j runs on GPU j mod N; in vDP every GPU runs the whole chain on its data
+share. With the per-task constants of tasks.py, the simulator's iteration time is, to within
+a few percent (docs/planner.md has the measurements), the least solution of::
+
+    S_j >= S_{j-1} + p_first_{j-1} + hop_j        first microbatch handed on
+    E_j >= S_j + load_j                           the task's microbatches run back to back
+    E_j >= E_{j-1} + hop_j + p_last_j             ... and its last one waits for the producer's last
+    S_j >= E_q                                    q = j - N: the previous task on the same GPU
+    W_j >= S_q,  S_j >= W_j + w_load_j            weights are prefetched once q computes ...
+    W_j >= FREE_q        unless mem_q + wb_j  <= cap   ... if they fit beside q's working set
+    S_j >= FREE_q        unless mem_q + mem_j <= cap   the working set waits for q's memory
+    FREE_j >= E_j + tail_j,  T >= E_j,  T >= FREE_j + upd_j
+    T >= sum(link_in),  T >= sum(link_out)        the shared host link's capacity
+
+(S: first compute starts, E: last compute ends, W: weights start coming in, FREE: the task
+releases its memory). ``pipeline.py`` encodes this for vPP. When one GPU runs the whole chain
+(vDP, or N = 1) the time is a sum over consecutive pairs (``chain_gap``), which ``chain.py``
+and the DP (dp.py) encode; and since vDP replicas meet at every backward pack's all-reduce,
+the slowest replica sets the pace: the forward phase (through the criterion pack) and the
+backward phase each last at least as long as all replicas' traffic of that phase takes on the
+shared link, ``T = max(chain_F, link_F) + max(chain_B, link_B)``.
+
+``evaluate`` computes either exactly as the CP-SAT models do, in integer ticks: it scores hints
+and candidates, and checks that a solver's objective is what its packs are worth.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .tasks import B, C, F, TICKS_PER_S, Tasks
+
+
+def sequence_of(tasks: Tasks, packs_fwd, packs_bwd, options) -> list[int]:
+    """Task rows of a plan in chain order; KeyError if a pack is not one of the candidates."""
+    idx = tasks.table.index()
+    seq = [idx[(F, int(a), int(b), True, False)] for a, b in packs_fwd]
+    bwd = list(zip(packs_bwd, options))
+    (a, b), (_, g) = bwd[-1]
+    seq.append(idx[(C, int(a), int(b), True, bool(g))])
+    for (a, b), (r, g) in reversed(bwd[:-1]):
+        seq.append(idx[(B, int(a), int(b), bool(r), bool(g))])
+    return seq
+
+
+def packs_of(tasks: Tasks, seq: list[int]) -> tuple[list, list, list]:
+    """(forward packs, backward packs, backward options as (recompute, gpu optimizer)) of a sequence."""
+    t = tasks.table
+    fwd = [(int(t.start[k]), int(t.end[k])) for k in seq if t.kind[k] == F]
+    bwd = [k for k in seq if t.kind[k] != F][::-1]
+    return (fwd, [(int(t.start[k]), int(t.end[k])) for k in bwd],
+            [(bool(t.recompute[k]), bool(t.gpu_opt[k])) for k in bwd])
+
+
+def stash_fits(tasks: Tasks, seq: list[int]) -> bool:
+    """Forward packs hold one microbatch of the saved activations of their stashed layers."""
+    t = tasks.table
+    if tasks.saved_fwd is None:
+        return True
+    stashed = np.zeros(tasks.num_layers, bool)
+    for k in seq:
+        if t.kind[k] == B and not t.recompute[k]:
+            stashed[t.start[k]: t.end[k] + 1] = True
+    if not stashed.any():
+        return True
+    for k in seq:
+        if t.kind[k] == F:
+            a, b = int(t.start[k]), int(t.end[k])
+            if t.mem[k] + float(np.sum(tasks.saved_fwd[a: b + 1][stashed[a: b + 1]])) > tasks.cap:
+                return False
+    return True
+
+
+def evaluate(tasks: Tasks, seq: list[int]) -> float:
+    """The model's iteration time of a task sequence in seconds (inf where memory does not fit)."""
+    return evaluate_ticks(tasks, seq) / TICKS_PER_S
+
+
+def evaluate_ticks(tasks: Tasks, seq: list[int]) -> float:
+    d = tasks.ticks()
+    cols = d["stacked"][:, seq]            # one gather: times, exact memory, mem, wb, link columns, phase
+    if cols[7].max() > d["cap_exact"] or not stash_fits(tasks, seq):
+        return float("inf")
+    c = cols[:7].tolist()
+    mem, wb = cols[8].tolist(), cols[9].tolist()
+    link_in, link_out, out_fwd, bwd = cols[10], cols[11], cols[12], cols[13].astype(bool)
+    if tasks.cfg.ranks > 1:
+        T = _pipeline_time(*c, mem, wb, d["cap"], tasks.cfg.ranks)
+        return float(max(T, int(link_in.sum()), int(link_out.sum())))
+    # one chain: the forward phase (through the criterion pack) and the backward phase each
+    # take at least their own traffic on the shared link
+    fwd_part, bwd_part = _chain_time(*c, mem, wb, d["cap"], int((~bwd).sum()) - 1)
+    fwd_link = max(int(link_in[~bwd].sum()), int(out_fwd.sum()))
+    bwd_link = max(int(link_in[bwd].sum()), int(link_out.sum() - out_fwd.sum()))
+    return float(max(fwd_part, fwd_link) + max(bwd_part, bwd_link))
+
+
+def _pipeline_time(p1, pl, load, hop, wl, tail, upd, mem, wb, cap, n) -> int:
+    """The recurrence of the module docstring, tasks at positions j on GPU j mod n."""
+    S, E, FREE = [0] * len(p1), [0] * len(p1), [0] * len(p1)
+    T = 0
+    for j in range(len(p1)):
+        s = max(hop[j], wl[j]) if j == 0 else S[j - 1] + p1[j - 1] + hop[j]
+        if j >= n:
+            q = j - n
+            w_start = S[q] if mem[q] + wb[j] <= cap else max(S[q], FREE[q])
+            s = max(s, w_start + wl[j], E[q])
+            if mem[q] + mem[j] > cap:
+                s = max(s, FREE[q])
+        else:
+            s = max(s, wl[j])
+        S[j] = s
+        E[j] = max(s + load[j], (E[j - 1] if j else 0) + hop[j] + pl[j])
+        FREE[j] = E[j] + tail[j]
+        T = max(T, E[j], FREE[j] + upd[j])
+    return T
+
+
+def _chain_time(p1, pl, load, hop, wl, tail, upd, mem, wb, cap, crit: int) -> tuple[int, int]:
+    """One GPU runs the chain: the first task's inputs, every task's compute, the gaps, the last
+    tail; split at the end of the criterion pack (position ``crit``) into the forward and the
+    backward phase."""
+    T = max(hop[0], wl[0]) + load[0]
+    fwd = T if crit == 0 else None
+    for b in range(1, len(p1)):
+        a = b - 1
+        T += load[b] + int(chain_gap(p1[a], load[a], tail[a], mem[a], hop[b], pl[b], load[b], wl[b], wb[b], mem[b],
+                                     cap))
+        if b == crit:
+            fwd = T
+    return fwd, T - fwd + tail[-1] + upd[-1]
+
+
+def chain_gap(p1_a, load_a, tail_a, mem_a, hop_b, pl_b, load_b, wl_b, wb_b, mem_b, cap):
+    """Idle time of the GPU between task a and the next task b in one chain (numpy-broadcasting).
+
+    From the recurrence with q = a: b starts after a ends, plus what is not hidden of b's first
+    input (a's first output, handed on), of b's last input (not hidden by b's other
+    microbatches) and of b's weights (prefetched while a computes); where the memory does not
+    fit, b's weights or its working set wait for a to free its memory (a's tail). And b's
+    outputs leave on the same swap-out stream as a's gradients, after them: the next task
+    cannot have its input before a's tail is over, so b lasts at least that long."""
+    gap = np.maximum(np.maximum(np.maximum(0, np.add(p1_a, hop_b) - load_a),
+                                np.maximum(np.add(hop_b, pl_b) - load_b, np.subtract(wl_b, load_a))),
+                     np.subtract(tail_a, load_b))      # b's outputs queue behind a's on the swap-out stream
+    gap = np.where(np.add(mem_a, wb_b) > cap, np.maximum(gap, np.add(tail_a, wl_b)), gap)
+    return np.where(np.add(mem_a, mem_b) > cap, np.maximum(gap, tail_a), gap)
