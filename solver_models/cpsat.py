@@ -84,6 +84,9 @@ def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_lim
     p.interleave_search = int(workers) > 1
     p.random_seed = int(seed)
     p.relative_gap_limit = float(rel_gap)
+    # the models are built tight already; CP-SAT's presolve (probing above all) costs more than it
+    # gains on them and can spend the whole limit before the hinted solution is even reported
+    p.cp_model_presolve = False
     for k, v in (params or {}).items():
         setattr(p, k, v)
     cb = Progress(report, label, decode)

@@ -43,7 +43,7 @@ from harmony_opt.profile import Profile
 from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
-from .tasks import MAX_LAYERS_WITH_STASH, Config, Tasks, build_tasks, candidate_cuts
+from .tasks import MAX_LAYERS_WITH_STASH, Config, Tasks, build_tasks, candidate_cuts, forward_costs
 from .timeline import solve_timeline
 from .timing import evaluate, packs_of, sequence_of
 
@@ -83,7 +83,9 @@ class Budget:
     PER_STEP = 1.5e-5       # a local-search step: fixed part ...
     PER_TASK = 1.5e-6       # ... and per task of the evaluated sequence
     PER_EVENT = 8e-6        # the simulator, per event
-    PER_SOLVE = 0.05        # CP-SAT's start-up and presolve, which its deterministic clock barely counts
+    PER_MODEL_ROW = 7e-5    # building a CP-SAT model and completing its hint, per Boolean
+    PER_SOLVE = 0.05        # CP-SAT's start-up, which its deterministic clock barely counts
+    PER_TIMELINE_EVENT = 5e-4   # the timeline model, per event, besides its time limit
 
     def __init__(self, total: float):
         self.total, self.used = float(total), 0.0
@@ -158,7 +160,6 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     if len(fits) == 0:
         return float("inf")
     s = int(fits[0])
-    f_max = profile.size_range("FWD")[1]
     copies = cfg.gpus if cfg.mode == "vDP" else 1
     wait = (copies + 1) / 2 if hw.shared_host_link else 1
     link = (hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else cfg.gpus)
@@ -166,7 +167,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     for u in split_microbatches(share, cfg.u_bwd):
         c = profile.costs("BWD", u)
         bwd += c.time
-        no_rec += np.maximum(c.time - profile.costs("FWD", min(u, f_max)).time, 0.0)
+        no_rec += np.maximum(c.time - forward_costs(profile, u).time, 0.0)
         moved += c.saved * wait / hw.h2d_bandwidth
         saved += c.saved
     forward = sum(float(profile.costs("FWD", u).pack_time(0, s - 1)) for u in split_microbatches(share, cfg.u_fwd)
@@ -178,7 +179,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     first = profile.costs("BWD", split_microbatches(share, cfg.u_bwd)[0])
     per_layer = first.time                  # a stashed layer may skip its recompute
     if stash:
-        per_layer = np.maximum(first.time - profile.costs("FWD", min(first.u, f_max)).time, 0.0)
+        per_layer = np.maximum(first.time - forward_costs(profile, first.u).time, 0.0)
     one = float(per_layer.sum())
     if s > 0:
         one += float(profile.costs("FWD", split_microbatches(share, cfg.u_fwd)[0]).pack_time(0, s - 1))
@@ -265,7 +266,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     cap = int(memory_cap or hw.gpu_memory_bytes)
     say = report or (lambda s: None)
     t_start = time.perf_counter()
-    budget = Budget(opts.time_limit)
+    budget = Budget(0.92 * opts.time_limit)     # the rest: Harmony's search and the report
     ident = {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()}
     search_options = opts.options and not opts.harmony_space
     stash = search_options and profile.num_layers <= MAX_LAYERS_WITH_STASH
@@ -351,11 +352,10 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
 
     # -- 3. CP-SAT on the most promising configurations (options and stash variants included)
     found.sort(key=lambda c: (c.value, str(c.cfg)))
-    timeline_share = 0.1 if opts.cost_model == "default" else 0.0
-    cp_budget_end = 1.0 - timeline_share
+    timeline_share = 0.12 if opts.cost_model == "default" else 0.0
     for c in found[:4]:
-        left = budget.left(cp_budget_end)
-        if left <= 0.05:
+        left = budget.left(0.85 - timeline_share)
+        if left <= 0.1:
             break
         if c.cfg.ranks == 1 and not stash and c.how == "dp" and c.value <= c.bound + 1e-9:
             c.proof = "dp"      # the DP's optimum, and the link floors it leaves out do not bind: optimal
@@ -366,19 +366,27 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
             budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
             idx = tasks.table.index()
             seq = [idx[c.tasks.table.key(k)] for k in c.seq]
-        limit = max(0.5, min(left, 0.4 * budget.total))
+        lay = None
+        size = len(tasks.table)
+        if c.cfg.ranks > 1:
+            nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
+            lay = pipeline.layout(tasks, nf + 2 * c.cfg.ranks, len(seq) - nf + 2 * c.cfg.ranks)
+            size = sum(len(r) for r in lay.rows)
+            if size > MAX_PIPELINE_VARIABLES:
+                continue        # too large to pay off in the budget: the local search's solution stands
+        build_cost = Budget.PER_MODEL_ROW * size + Budget.PER_SOLVE
+        limit = min(left - build_cost, 0.4 * budget.total)
+        if limit < 0.2:
+            continue            # not enough budget left to build and search this model
+        budget.spend(build_cost)
         label = str(c.cfg)
-        if c.cfg.ranks == 1:
+        if lay is None:
             res = chain.solve(tasks, time_limit=limit, seed=opts.seed, workers=opts.workers, rel_gap=opts.rel_gap,
                               hint=seq, report=say, label=label)
         else:
-            nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
-            lay = pipeline.layout(tasks, nf + 2 * c.cfg.ranks, len(seq) - nf + 2 * c.cfg.ranks)
-            if sum(len(r) for r in lay.rows) > MAX_PIPELINE_VARIABLES:
-                continue        # too large to pay off in the budget: the local search's solution stands
             res = pipeline.solve(tasks, layout_=lay, time_limit=limit, seed=opts.seed, workers=opts.workers,
                                  rel_gap=opts.rel_gap, hint=seq, report=say, label=label)
-        budget.spend(res.deterministic_time + Budget.PER_SOLVE)
+        budget.spend(res.deterministic_time)
         c.solve = res
         if res.objective is not None:
             v = evaluate(tasks, res.sequence)
@@ -391,10 +399,12 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
         shown = "no solution" if res.objective is None else f"{res.objective:.4f} s"
         say(f"CP-SAT {label}: {res.status.lower()}, {shown}, bound {res.bound:.4f} s")
 
-    # -- 4. the simulator judges the best candidates; Harmony's plan is the incumbent
+    # -- 4. the simulator judges the best candidates (at least two); Harmony's plan is the incumbent
     found.sort(key=lambda c: (c.value, str(c.cfg)))
     best_plan, best_c = incumbent, None
-    for c in found[:6]:
+    for k, c in enumerate(found[:12]):
+        if k >= 2 and budget.left(1.0 - timeline_share) <= 0:
+            break
         cand = _plan_of(c, c.seq, batch, cap, opts, ident)
         t, events = _judge(cand, profile, hw, opts.cost_model)
         budget.spend(Budget.PER_EVENT * events)
@@ -414,9 +424,12 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
         model_value = _model_value_of(incumbent, profile, hw, batch, cap, search_options)
     lb = lower_bound(profile, hw, batch, cap)
     timeline = None
-    if timeline_share > 0:
-        tr = solve_timeline(best_plan, profile, hw, time_limit=max(0.2, min(1.0, budget.left())), seed=opts.seed,
-                            workers=opts.workers, report=say)
+    events = _judge(best_plan, profile, hw, opts.cost_model)[1] if timeline_share > 0 else 0
+    limit = min(1.0, budget.left() - Budget.PER_TIMELINE_EVENT * events)
+    if timeline_share > 0 and limit >= 0.1:
+        budget.spend(Budget.PER_TIMELINE_EVENT * events)
+        tr = solve_timeline(best_plan, profile, hw, time_limit=limit, seed=opts.seed, workers=opts.workers, report=say)
+        budget.spend(limit)
         timeline = {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "gap": tr.gap,
                     "events": tr.events, "wall_time_s": tr.wall_time}
     conf = None
@@ -460,11 +473,11 @@ def _model_value_of(p: Plan, profile, hw, batch, cap, options: bool) -> float | 
     """The model's iteration time of a given plan (None if one of its packs is not a candidate)."""
     cfg = Config(p.mode, p.gpus, p.microbatch_fwd, p.microbatch_bwd)
     keep = [a for a, _ in p.packs_fwd] + [a for a, _ in p.packs_bwd]
-    tasks = build_tasks(profile, hw, batch, cfg, cap, gpu_opt=True, stash=False,
-                        cuts=candidate_cuts(profile, cfg.u_bwd, keep=keep))
-    try:
+    try:        # a plan without forward packs may name a forward size that is not profiled
+        tasks = build_tasks(profile, hw, batch, cfg, cap, gpu_opt=True, stash=False,
+                            cuts=candidate_cuts(profile, cfg.u_bwd, keep=keep))
         seq = sequence_of(tasks, p.packs_fwd, p.packs_bwd, [(o.recompute, o.optimizer == "gpu") for o in p.options])
-    except KeyError:
+    except (KeyError, HarmonyOptError):
         return None
     v = evaluate(tasks, seq)
     return v if np.isfinite(v) else None

@@ -147,6 +147,13 @@ class Tasks:
         return self._ticks
 
 
+def forward_costs(profile: Profile, u: int):
+    """The forward costs a backward microbatch of size ``u`` recomputes, at the nearest profiled
+    forward size (as the simulator takes them)."""
+    lo, hi = profile.size_range("FWD")
+    return profile.costs("FWD", int(np.clip(u, lo, hi)))
+
+
 def candidate_cuts(profile: Profile, u_bwd: int, max_cuts: int = 129, keep=()) -> np.ndarray:
     """Layer boundaries where packs may start and end: all of them for models of up to
     ``max_cuts - 1`` layers; for longer models the boundaries that split the backward compute
@@ -192,7 +199,6 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
     share = batch if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)[0]
     uf_list, ub_list = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
-    f_max = profile.size_range("FWD")[1]
     n = cfg.gpus
     chain = cfg.ranks == 1
     copies = n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1
@@ -250,7 +256,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         hop_extra = 0.0
         if not recompute:     # the backward skips the forward it would recompute ...
             def fwd_of(c):
-                return np.minimum(profile.costs("FWD", min(c.u, f_max)).pack_time(s, e), c.pack_time(s, e))
+                return np.minimum(forward_costs(profile, c.u).pack_time(s, e), c.pack_time(s, e))
 
             def step(c):      # ... but each microbatch waits for its saved activations to come in
                 return np.maximum(c.pack_time(s, e) - fwd_of(c), c.pack_saved(s, e) / bw_in)
