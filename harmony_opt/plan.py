@@ -160,6 +160,10 @@ class Plan:
         if not self.input_batch_grouping and self.microbatch_fwd != self.microbatch_bwd:
             raise PlanError("plan field microbatch: without input-batch grouping every microbatch sweeps the "
                             "whole model, so fwd and bwd sizes must be equal")
+        if not self.input_batch_grouping and any(o.optimizer == "gpu" for o in self.options):
+            raise PlanError("plan field options: an optimizer step on the GPU needs input-batch grouping (without "
+                            "it every microbatch sweep would step the weights: not synchronous SGD); use "
+                            "optimizer \"cpu\" or set input_batch_grouping")
         if self.memory_cap is not None and (not isinstance(self.memory_cap, int) or self.memory_cap <= 0):
             raise PlanError(f"plan field memory_cap: must be a positive number of bytes, got {self.memory_cap!r}")
         return self
@@ -185,6 +189,11 @@ class Plan:
         if hardware is not None and self.gpus > hardware.gpus:
             raise PlanError(f"plan field gpus: {self.gpus} GPUs but hardware {hardware.name!r} has "
                             f"{hardware.gpus}")
+        if (hardware is not None and self.mode == "vDP" and self.gpus > 1 and hardware.p2p_bandwidth <= 0
+                and any(o.optimizer == "gpu" for o in self.options)):
+            raise PlanError(f"plan field options: vDP replicas step the optimizer on their GPUs only after an "
+                            f"all-reduce, and hardware {hardware.name!r} has no GPU-to-GPU link; use optimizer "
+                            f"\"cpu\" (the CPU sums the replicas' gradients)")
         return self
 
     # -- JSON ----------------------------------------------------------------------------------

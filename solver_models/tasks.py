@@ -311,6 +311,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     bs, be = enumerate_packs(max_pack_end(cb, cap), 0, R - 2, cuts)
     cs = np.array([s for s in cuts if s <= R - 1 and cb.pack_memory(int(s), R - 1) <= cap], int)
     ce = np.full(len(cs), R - 1)
+    # a GPU optimizer step in vDP needs the all-reduce over a GPU link (Plan.check_against)
+    gpu_opt = gpu_opt and not (cfg.mode == "vDP" and n > 1 and hw.p2p_bandwidth <= 0)
     variants = [(True, False)] + ([(True, True)] if gpu_opt else []) + \
         ([(False, False)] + ([(False, True)] if gpu_opt else []) if stash_ok else [])
     for kind, s0, e0 in ((B, bs, be), (C, cs, ce)):

@@ -60,7 +60,10 @@ def test_pipeline_model_objective_is_what_its_packs_are_worth(R, seed, u, tight,
     nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
     res = pipeline.solve(tasks, max_fwd=nf + 2, max_bwd=len(seq) - nf + 2, time_limit=3, hint=seq)
     assert res.objective is not None and res.objective <= value + 1e-9   # the hint is a solution
-    assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
+    # a feasible solution may leave slack in its times; an optimal one is exactly what its packs are worth
+    assert evaluate(tasks, res.sequence) <= res.objective + 1e-9
+    if res.status == "OPTIMAL":
+        assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
     assert res.bound <= res.objective + 1e-9
 
 

@@ -46,11 +46,15 @@ def plans(draw):
     ub = draw(st.integers(1, hi)) if grouping else uf
     bwd = random_packs(draw, 0, R - 1)
     fwd = random_packs(draw, 0, bwd[-1][0] - 1) if bwd[-1][0] > 0 else []
-    opts = tuple(PackOptions(recompute=draw(st.integers(0, 2)) > 0, optimizer=draw(st.sampled_from(["cpu", "gpu"])))
+    hw = draw(st.sampled_from([HW, NO_P2P]))
+    # a GPU optimizer step needs input-batch grouping, and in vDP an all-reduce over a GPU link
+    gpu_step = grouping and not (mode == "vDP" and gpus > 1 and hw is NO_P2P)
+    opts = tuple(PackOptions(recompute=draw(st.integers(0, 2)) > 0,
+                             optimizer=draw(st.sampled_from(["cpu", "gpu"] if gpu_step else ["cpu"])))
                  for _ in bwd)
     plan = Plan("test", mode, gpus, batch, uf, ub, fwd, bwd, R, options=opts, allow_uneven=True,
                 prefetch=draw(st.booleans()), input_batch_grouping=grouping)
-    return prof, plan, draw(st.sampled_from([HW, NO_P2P]))
+    return prof, plan, hw
 
 
 def expand(plan, prof, hw, cap):
