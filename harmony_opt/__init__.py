@@ -19,8 +19,15 @@ __all__ = [
     "PackOptions", "Plan", "PhaseCosts", "Profile", "bundled_names", "load_profile",
 ]
 
-from .compiler import compile_plan  # noqa: E402
-from .program import Program, validate_program  # noqa: E402
-from .train import TrainResult, train  # noqa: E402
+# The runtime side imports torch (about a second): loaded on first use, so that planning,
+# simulating and the other torch-free commands start fast.
+_LAZY = {"compile_plan": "compiler", "Program": "program", "validate_program": "program",
+         "TrainResult": "training", "train": "training"}
+__all__ += list(_LAZY)
 
-__all__ += ["compile_plan", "Program", "validate_program", "TrainResult", "train"]
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

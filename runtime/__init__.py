@@ -3,7 +3,7 @@
 ::
 
     from runtime import Executor, run_job, Job
-    from harmony_opt.train import train          # the usual way in
+    from harmony_opt.training import train          # the usual way in
 
 See docs/runtime.md for how a Program runs.
 """

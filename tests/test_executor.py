@@ -20,7 +20,7 @@ from harmony_opt.decompose import ClassificationLoss, LayeredModel, run_layers
 from harmony_opt.errors import ProgramError, RuntimeMemoryError
 from harmony_opt.plan import PackOptions, Plan
 from harmony_opt.program import Kind, Program, Tensor
-from harmony_opt.train import batch_seed, train
+from harmony_opt.training import batch_seed, train
 
 STEPS = 10
 

@@ -13,7 +13,7 @@ from harmony_opt.compiler import compile_plan
 from harmony_opt.decompose import ClassificationLoss, LayeredModel
 from harmony_opt.errors import DataError, PlanError, ProgramError, UsageError
 from harmony_opt.plan import PackOptions, Plan
-from harmony_opt.train import batch_seed, train
+from harmony_opt.training import batch_seed, train
 
 
 @pytest.fixture(autouse=True, scope="module")

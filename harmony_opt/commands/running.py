@@ -55,7 +55,7 @@ def _compile(args):
 
         from runtime.shapes import measure_layer_bytes
 
-        from ..train import check_plan
+        from ..training import check_plan
 
         model = _model(args.model)
         try:
@@ -79,7 +79,7 @@ def _compile(args):
 
 def _run(args):
     from ..program import Program
-    from ..train import train
+    from ..training import train
 
     if args.steps < 0:
         raise UsageError(f"--steps must be >= 0, got {args.steps}")

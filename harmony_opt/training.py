@@ -3,7 +3,7 @@
 ::
 
     from harmony_opt.models import build_model
-    from harmony_opt.train import train
+    from harmony_opt.training import train
 
     model = build_model("gpt2-tiny")
     result = train(model, plan, steps=20, optimizer="adam", lr=1e-3, checkpoint_dir="ckpt")
