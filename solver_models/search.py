@@ -95,6 +95,8 @@ def improve(tasks: Tasks, seq: list[int], steps: int, seed: int = 0) -> tuple[fl
     best_v, best = evaluate(tasks, seq), list(seq)
     cur = (fwd, bwd, s)
     work = len(seq)
+    if len(cuts) < 3:
+        return best_v, best, work       # one layer: a single plan, nothing to search
     for _ in range(steps):
         f, b, s0 = list(cur[0]), list(cur[1]), cur[2]
         r = rng.random()
