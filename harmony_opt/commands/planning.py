@@ -208,16 +208,19 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
     cap = hw.gpu_memory_bytes
     rows, plans, errors = [], {}, {}
     bound = lower_bound(profile, hw, batch, cap)["bound_s"]
-    runs = [("cp-sat", lambda: cp_plan(profile, hw, batch, PlannerOptions(mode=mode, gpus=gpus,
-                                                                          time_limit=time_limit), memory_cap=cap))]
+    runs = [("cp-sat", "cp-sat", lambda: cp_plan(profile, hw, batch, PlannerOptions(mode=mode, gpus=gpus,
+                                                                                    time_limit=time_limit),
+                                                   memory_cap=cap))]
     for name, fn in PLANNERS.items():
-        kw = {"gpus": gpus}
-        if name == "harmony":
-            kw["mode"] = "vPP" if mode == "auto" else mode
-        runs.append((name, lambda fn=fn, kw=kw: fn(profile, hw, batch, cap, **kw)))
+        if name == "harmony":       # Harmony's search in each mode the request allows
+            for m in (("vPP", "vDP") if mode == "auto" else (mode,)):
+                label = f"harmony {m}" if mode == "auto" else name
+                runs.append((label, name, lambda fn=fn, m=m: fn(profile, hw, batch, cap, gpus=gpus, mode=m)))
+        else:
+            runs.append((name, name, lambda fn=fn: fn(profile, hw, batch, cap, gpus=gpus)))
     if planners is not None:
-        runs = [r for r in runs if r[0] in planners]
-    for name, run in runs:
+        runs = [r for r in runs if r[1] in planners]
+    for name, _, run in runs:
         t0 = time.perf_counter()
         try:
             p = run()
