@@ -242,6 +242,29 @@ def _plan_of(c: _Candidate, seq, batch: int, cap: int, opts: PlannerOptions, ide
                 memory_cap=cap, cost_model=opts.cost_model, **ident)
 
 
+def _polish(c: _Candidate, plan_: Plan, t_best: float, profile, hw, batch, cap, opts, ident, budget: Budget,
+            share: float, say) -> tuple[Plan, float]:
+    """First-improvement descent judged by the simulator from the best candidate: move one pack
+    boundary by one candidate boundary, or toggle one pack's optimizer placement (search.neighbours,
+    a fixed order); stop at a local optimum or when the budget share is spent. Updates ``c``."""
+    improved = True
+    while improved:
+        improved = False
+        for seq in search.neighbours(c.tasks, c.seq):
+            if budget.left(share) <= 0:
+                return plan_, t_best
+            cand = _plan_of(c, seq, batch, cap, opts, ident)
+            t, events = _judge(cand, profile, hw, opts.cost_model)
+            budget.spend(Budget.PER_EVENT * events + Budget.PER_TASK * len(seq))
+            if t < t_best * (1 - 1e-9):
+                say(f"simulated neighbour of {c.cfg}: {t:.4f} s  <- best")
+                plan_, t_best = cand, t
+                c.seq, c.value, c.how, c.proof = seq, evaluate(c.tasks, seq), "polish", None
+                improved = True
+                break
+    return plan_, t_best
+
+
 def _judge(plan_: Plan, profile: Profile, hw: Hardware, cost_model: str) -> tuple[float, int]:
     """Simulated iteration time (inf if the simulator rejects the plan) and how many events it played."""
     try:
@@ -414,6 +437,11 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     if best_plan is None:
         raise explain_infeasible(profile, cap, feasible_sizes(profile, batch, "vDP", hw.gpus, "FWD"),
                                  feasible_sizes(profile, batch, "vDP", hw.gpus, "BWD"))
+
+    # -- 5. polish with the simulator: the model is a few % off in places, the simulator is the judge
+    if best_c is not None:
+        best_plan, best_t = _polish(best_c, best_plan, best_t, profile, hw, batch, cap, opts, ident, budget,
+                                    1.0 - timeline_share, say)
 
     # the bound over the searched space: every configuration's own bound (evaluated ones) and the
     # cheap bound of those not evaluated

@@ -79,6 +79,54 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
     return uniq[:tries], work
 
 
+def _parts(tasks: Tasks, seq: list[int]):
+    """(forward cuts, backward cuts, criterion start, options by pack) of a sequence."""
+    t = tasks.table
+    fwd = [int(t.start[k]) for k in seq if t.kind[k] == 0][1:]
+    bks = [k for k in seq if t.kind[k] != 0]
+    bwd = sorted(int(t.start[k]) for k in bks[1:])
+    opts = {(int(t.start[k]), int(t.end[k])): (bool(t.recompute[k]), bool(t.gpu_opt[k])) for k in bks}
+    return fwd, bwd, int(t.start[bks[0]]), opts
+
+
+def neighbours(tasks: Tasks, seq: list[int]):
+    """Every sequence one step away, in a fixed order: one pack boundary (forward, backward, or the
+    criterion pack's start) moved to the next candidate boundary either way, or one backward
+    pack's optimizer placement toggled. For a descent judged by the simulator."""
+    cuts = tasks.cuts.tolist()
+    pos = {c: i for i, c in enumerate(cuts)}
+    fwd, bwd, s, opts = _parts(tasks, seq)
+    seen = {tuple(seq)}
+
+    def emit(f, b, s0, o):
+        cand = _sequence(tasks, sorted(set(f)), sorted(set(b)), s0, o)
+        if cand is not None and tuple(cand) not in seen:
+            seen.add(tuple(cand))
+            return cand
+        return None
+    for step in (-1, 1):
+        i = pos[s] + step
+        if 0 < i < len(cuts) - 1 and (cand := emit(fwd, bwd, cuts[i], opts)) is not None:
+            yield cand
+    for which in ("f", "b"):
+        lst = fwd if which == "f" else bwd
+        for j in range(len(lst)):
+            for step in (-1, 1):
+                i = pos[lst[j]] + step
+                if not 0 < i < len(cuts) - 1:
+                    continue
+                moved = lst[:j] + [cuts[i]] + lst[j + 1:]
+                cand = emit(moved, bwd, s, opts) if which == "f" else emit(fwd, moved, s, opts)
+                if cand is not None:
+                    yield cand
+    if tasks.table.gpu_opt.any():
+        for p in _cut_packs(bwd, 0, s - 1) + [(s, tasks.num_layers - 1)]:
+            rec, gpu = opts.get(p, (True, False))
+            cand = emit(fwd, bwd, s, {**opts, p: (rec, not gpu)})
+            if cand is not None:
+                yield cand
+
+
 def improve(tasks: Tasks, seq: list[int], steps: int, seed: int = 0) -> tuple[float, list[int], int]:
     """Local search from ``seq``: move, add or remove one pack boundary (or toggle a backward pack's
     optimizer placement); keep changes the model rates no slower. Deterministic for a seed.
@@ -87,11 +135,7 @@ def improve(tasks: Tasks, seq: list[int], steps: int, seed: int = 0) -> tuple[fl
     t = tasks.table
     cuts = tasks.cuts.tolist()
     pos = {c: i for i, c in enumerate(cuts)}
-    fwd = [int(t.start[k]) for k in seq if t.kind[k] == 0][1:]
-    bks = [k for k in seq if t.kind[k] != 0]
-    s = int(t.start[bks[0]])
-    bwd = sorted(int(t.start[k]) for k in bks[1:])
-    opts = {(int(t.start[k]), int(t.end[k])): (bool(t.recompute[k]), bool(t.gpu_opt[k])) for k in bks}
+    fwd, bwd, s, opts = _parts(tasks, seq)
     best_v, best = evaluate(tasks, seq), list(seq)
     cur = (fwd, bwd, s)
     work = len(seq)
