@@ -474,12 +474,16 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
                 "gap": max(0.0, (best_c.value - best_c.bound) / best_c.value),
                 "cp_sat": None if best_c.solve is None else {"status": best_c.solve.status,
                                                             "wall_time_s": best_c.solve.wall_time}}
+    if opts.cost_model != "default" and conf:
+        # the model describes the default simulator: its proofs and bounds say nothing about another
+        conf.update(status="FEASIBLE", proof=None, bound=None, gap=None)
+        space_bound = None
     solver = {
         "status": conf["status"] if conf else "NOT_SOLVED",
         "model": None if best_c is None else ("chain" if best_c.cfg.ranks == 1 else "pipeline"),
         "objective": model_value,
         "bound": space_bound,
-        "gap": (model_value - space_bound) / model_value if model_value else None,
+        "gap": (model_value - space_bound) / model_value if model_value and space_bound is not None else None,
         "fidelity": abs(model_value - best_t) / best_t if model_value else None,
         "source": "harmony-hint" if best_c is None else best_c.how,
         "configuration": conf,

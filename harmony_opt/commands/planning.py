@@ -94,10 +94,13 @@ def solver_summary(s: dict) -> list[str]:
     out = []
     if s.get("objective") is not None:
         what = "one chain per GPU" if s["model"] == "chain" else "pipeline over the GPUs"
-        out.append(f"planner's model of the simulator ({what}): {s['objective']:.4f} s for this plan, "
+        out.append(f"planner's model of the default simulator ({what}): {s['objective']:.4f} s for this plan, "
                    f"|model - simulated| = {pct(s['fidelity'])}")
     c = s.get("configuration")
-    if c:
+    if c and c.get("bound") is None:
+        out.append(f"configuration {c['configuration']}: best found ({c['found_by']}); the planner's model describes "
+                   f"the default simulator, so it proves nothing under this cost model: the simulator judged")
+    elif c:
         how = {"dp": "proven optimal for the model by the exact DP", "cp-sat": "proven optimal for the model by CP-SAT"}
         proof = how.get(c["proof"], f"best found ({c['found_by']}), bound {c['bound']:.4f} s, gap {pct(c['gap'])}")
         out.append(f"configuration {c['configuration']}: {proof}")
