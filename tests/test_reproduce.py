@@ -79,13 +79,80 @@ def test_compare_cell_rows_and_figures(tiny_bundle, tmp_path):
     assert not best.duplicated(["model", "batch", "gpus_requested", "planner"]).any()
     ours = best[(best.planner == "cp-sat") & (best.gpus_requested == 2)].iteration_s.iloc[0]
     assert ours == n2[n2.planner == "cp-sat"].iteration_s.min()
+    # what the planner reports of each of our plans, and its speed-up over Harmony's in the same mode
+    mine = df[df.planner == "cp-sat"]
+    assert set(R.COMPARE_SOLVER_COLUMNS) <= set(df.columns)
+    assert mine.solver_config_status.isin(["OPTIMAL", "FEASIBLE", "NOT_SOLVED"]).all()
+    assert (mine.speedup_vs_harmony >= 1 - 1e-3).all()      # iteration_s is rounded to 0.1 ms
+    assert df[df.planner != "cp-sat"].solver_fidelity.isna().all()
+    sp = R.speedups(df)
+    assert len(sp) == 2 and (sp.speedup >= 1 - 1e-3).all()
+    assert (sp.harmony_s / sp.ours_s == sp.speedup).all()
     paths = R.write_compare(df, timelines, tmp_path / "out", 0.5, R.BASELINE_BUDGET,
                             gantt_case=(tiny_bundle, 8, 2, "vPP"))
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "## Speed-up of ours over Harmony's search" in md and "solver_config_proof" in md
+    assert "no cell was skipped" in md
     names = {p.name for p in paths}
     assert {"compare.csv", "compare.md", "compare_iteration_time.png", "compare_swap_volume.png",
             "compare_efficiency.png", "gantt_tiny_ours.png", "gantt_tiny_harmony.png"} <= names
     assert all(p.stat().st_size > 0 for p in paths)
     assert len(pd.read_csv(tmp_path / "out" / "compare.csv")) == len(df)
+
+
+#: the columns issue #6 asks table1.csv for
+TABLE1_REQUIRED = ["model", "layers", "harmony_configs", "harmony_search_s", "harmony_time_s", "ours_search_s",
+                   "ours_time_s", "ours_bound_s", "ours_gap", "speedup"]
+
+
+def test_table1_row_both_searches_and_solver_columns(tiny_bundle, tmp_path):
+    """Harmony's search, ours at its settings and ours with mode and GPUs free; what plan.solver says."""
+    row = R.table1_row(tiny_bundle, 2**30, time_limit=0.5, batch=8, gpus=4)
+    df = pd.DataFrame([row])
+    for prefix in ("ours_", "ours_free_"):
+        for col in ("search_s", "search_ratio", "mode", "gpus", "time_s", "model_s", "fidelity", "bound_s", "gap",
+                    "config_status", "config_proof", "config_gap", "timeline_gap", "found_by"):
+            assert prefix + col in df.columns, prefix + col
+        assert row[prefix + "config_status"] in {"OPTIMAL", "FEASIBLE", "NOT_SOLVED"}
+        assert row[prefix + "config_proof"] in {"dp", "cp-sat", "none"}
+        assert row[prefix + "search_ratio"] == pytest.approx(row[prefix + "search_s"] / row["harmony_search_s"])
+        # the planner's model against the simulator, as the planner defines it
+        if math.isfinite(row[prefix + "model_s"]):
+            assert row[prefix + "fidelity"] == pytest.approx(
+                abs(row[prefix + "model_s"] - row[prefix + "time_s"]) / row[prefix + "time_s"], rel=1e-6)
+    assert row["ours_mode"] == "vPP" and row["ours_gpus"] == 4
+    # both start from Harmony's plan: never slower than it (the free one also tries vDP and fewer GPUs)
+    assert row["speedup"] >= 1 - 1e-9 and row["ours_free_speedup"] >= 1 - 1e-9
+    assert row["harmony_any_mode_time_s"] <= row["harmony_time_s"] + 1e-9
+    assert row["ours_free_speedup_any_mode"] == pytest.approx(row["harmony_any_mode_time_s"] / row["ours_free_time_s"])
+    assert row["lower_bound_s"] <= min(row["ours_time_s"], row["ours_free_time_s"]) * (1 + 1e-9)
+    paths = R.write_table1(df, tmp_path, 0.5)
+    csv = pd.read_csv(tmp_path / "table1.csv")
+    assert set(TABLE1_REQUIRED + R.TABLE1_OURS_MD + R.TABLE1_FREE_MD) <= set(csv.columns)
+    md = (tmp_path / "table1.md").read_text()
+    assert md.count("\n## ") == 3 and "ours_free_speedup" in md and "Machine:" in md
+    assert {p.name for p in paths} == {"table1.csv", "table1.md"}
+
+
+def test_scaling_row_on_a_small_gpt2(tmp_path):
+    row = R.scaling_row("gpt2_tiny", 0.5, batch=4, gpus=2, shape=GPT2Shape(n_layer=2, n_embd=4096, n_head=32))
+    assert row["layers"] == 6 and row["ours_time_s"] <= row["harmony_time_s"] * (1 + 1e-9)
+    for col in ("ours_fidelity", "ours_gap", "ours_config_status", "ours_config_proof", "ours_timeline_gap",
+                "ours_search_ratio", "ours_efficiency"):
+        assert col in row
+    paths = R.write_scaling(pd.DataFrame([row]), tmp_path, 0.5)
+    assert {p.name for p in paths} == {"scaling.csv", "scaling.md", "scaling.png"}
+    assert "ours_config_status" in (tmp_path / "scaling.md").read_text()
+
+
+def test_two_servers_rows(tiny_bundle, tmp_path):
+    df = R.two_servers(0.5, model=tiny_bundle, batch=8)
+    assert len(df) == 9 and set(df.planner) == {"harmony vPP", "harmony vDP", "ours"}
+    ours = df[df.planner == "ours"]
+    assert ours.solver_config_status.notna().all() and ours.solver_fidelity.notna().all()
+    assert (ours.gpus == [4, 8, 8]).all()
+    R.write_two_servers(df, tmp_path, 0.5)
+    assert "solver_fidelity" in (tmp_path / "two_servers.md").read_text()
 
 
 def test_compare_cell_skips_layerwise_baselines_over_budget(tiny_bundle):

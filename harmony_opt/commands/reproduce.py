@@ -5,6 +5,7 @@ A thin layer over harmony_opt.reproduce; experiments/*.py call the same entry po
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,8 +13,8 @@ from pathlib import Path
 from ..errors import UsageError
 
 EXPERIMENTS = ("table1", "compare", "scaling", "servers", "all")
-#: CP-SAT time limit (s) per search when --time-limit is not given
-DEFAULT_TIME_LIMITS = {"table1": 20.0, "compare": 3.0, "scaling": 20.0, "servers": 5.0}
+#: the planner's time limit per search (work seconds, docs/planner.md section 4) without --time-limit
+DEFAULT_TIME_LIMITS = {"table1": 20.0, "compare": 3.0, "scaling": 20.0, "servers": 10.0}
 
 
 def register(sub):
@@ -21,13 +22,14 @@ def register(sub):
     p.add_argument("experiment", choices=EXPERIMENTS, help="which experiment (all: every one, in one go)")
     p.add_argument("--out", default=None, help="results folder (default: experiments/results)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="CP-SAT time limit per search, s (default: table1 20, compare 3, scaling 20, servers 5)")
+                   help="the planner's time limit per search, work seconds (default: table1 20, compare 3, scaling 20, "
+                        "servers 10)")
     p.add_argument("--models", default=None, help="comma list of models to restrict to (default: all)")
     p.add_argument("--batches", default=None, help="compare: comma list of minibatch sizes (default 16,64,256)")
     p.add_argument("--gpus", default=None, help="compare: comma list of GPU counts (default 1,2,4)")
     p.add_argument("--jobs", type=int, default=2, help="compare: worker processes (default 2)")
     p.add_argument("--baseline-budget", type=int, default=None,
-                   help="compare: skip naive-swap and l2l where minibatch x layers exceeds this (0: never skip)")
+                   help="compare: skip naive-swap and l2l where minibatch x layers exceeds this (default 0: never)")
     p.set_defaults(func=_reproduce)
 
 
@@ -50,12 +52,13 @@ def _reproduce(args):
     limit = {k: args.time_limit or v for k, v in DEFAULT_TIME_LIMITS.items()}
     timings = {}
     written = []
+    load_before = os.getloadavg()
     for exp in which:
         t0 = time.perf_counter()
         if exp == "table1":
             df = R.table1(limit["table1"], models)
             written += R.write_table1(df, out, limit["table1"])
-            print(R.markdown_table(df[R.TABLE1_MD]))
+            print(R.markdown_table(df[R.TABLE1_PRINT]))
         elif exp == "scaling":
             names = [m for m in R.SCALING_MODELS if not models or m in models] or list(R.SCALING_MODELS)
             df = R.scaling(limit["scaling"], names)
@@ -81,8 +84,20 @@ def _reproduce(args):
     print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + f"; total {total:.0f} s")
     if args.experiment == "all":
         from ..io import atomic_write_text
-        lines = [f"| {k} | {v:.0f} |" for k, v in timings.items()]
-        text = ("# Run time of `harmony-opt reproduce all`\n\n| experiment | wall time (s) |\n|---|---|\n"
-                + "\n".join(lines) + f"\n| total | {total:.0f} |\n\nMachine: {R.machine_description()}\n")
-        print(f"wrote {atomic_write_text(out / 'run_time.md', text)}")
+        print(f"wrote {atomic_write_text(out / 'run_time.md', run_time_report(timings, load_before, limit, args.jobs))}")
     return 0
+
+
+def run_time_report(timings: dict[str, float], load_before: tuple[float, float, float], limits: dict[str, float],
+                    jobs: int) -> str:
+    """run_time.md: wall time per experiment, the machine, and how busy it was (load averages)."""
+    from .. import reproduce as R
+    total = sum(timings.values())
+    lines = [f"| {k} | {v:.0f} |" for k, v in timings.items()]
+    load_after = os.getloadavg()
+    return ("# Run time of `harmony-opt reproduce all`\n\n| experiment | wall time (s) |\n|---|---|\n"
+            + "\n".join(lines) + f"\n| total | {total:.0f} |\n\n"
+            f"Planner time limits (work seconds): {', '.join(f'{k} {v:g}' for k, v in limits.items())}; compare "
+            f"with {jobs} worker processes. Load average (1, 5, 15 min) before the "
+            f"run: {', '.join(f'{x:.2f}' for x in load_before)}; after: {', '.join(f'{x:.2f}' for x in load_after)}"
+            f" (the run itself keeps up to {max(jobs, 1)} cores busy).\n\nMachine: {R.machine_description()}\n")
