@@ -53,6 +53,10 @@ log = logging.getLogger("harmony_opt.plan")
 #: more of the budget than CP-SAT's neighbourhood moves win over the local search.
 MAX_PIPELINE_VARIABLES = 20_000
 
+#: Candidates are simulated (beyond the best two) only while the model rates them within this
+#: factor of the best: the model is within a few % of the simulator, rarely 10 %.
+SIMULATE_WITHIN = 1.10
+
 
 @dataclasses.dataclass
 class PlannerOptions:
@@ -413,7 +417,8 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
         c.solve = res
         if res.objective is not None:
             v = evaluate(tasks, res.sequence)
-            if v <= c.value:
+            if v < c.value or (v == c.value and c.cfg.ranks == 1):
+                # credited to CP-SAT where it improved the solution (or proved a chain's optimum)
                 c.tasks, c.seq, c.value, c.how = tasks, res.sequence, v, "cp-sat"
             if c.cfg.ranks == 1:
                 # a bound on every plan of the configuration (vPP: only on plans with at most the
@@ -426,7 +431,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     found.sort(key=lambda c: (c.value, str(c.cfg)))
     best_plan, best_c = incumbent, None
     for k, c in enumerate(found[:12]):
-        if k >= 2 and budget.left(1.0 - timeline_share) <= 0:
+        if k >= 2 and (budget.left(1.0 - timeline_share) <= 0 or c.value > SIMULATE_WITHIN * found[0].value):
             break
         cand = _plan_of(c, c.seq, batch, cap, opts, ident)
         t, events = _judge(cand, profile, hw, opts.cost_model)
