@@ -34,7 +34,7 @@ import numpy as np
 
 from harmony_opt.baselines import feasible_sizes, plan_harmony
 from harmony_opt.bound import lower_bound
-from harmony_opt.errors import HarmonyOptError, PlanError, UsageError
+from harmony_opt.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from harmony_opt.hardware import Hardware
 from harmony_opt.harmony_compat import simulate_harmony
 from harmony_opt.memory import explain_infeasible
@@ -216,6 +216,121 @@ class _Candidate:
     proof: str | None = None        # "dp" where the DP proved the sequence optimal for the model
 
 
+@dataclasses.dataclass
+class _Search:
+    """What every phase of one ``plan()`` call reads: the inputs, the options, the budget."""
+
+    profile: Profile
+    hw: Hardware
+    batch: int
+    cap: int
+    opts: PlannerOptions
+    budget: Budget
+    say: object
+    ident: dict
+
+    @property
+    def options(self) -> bool:          # per-pack options searched at all
+        return self.opts.options and not self.opts.harmony_space
+
+    @property
+    def stash(self) -> bool:            # stash variants offered (coupled memory: small models only)
+        return self.options and self.profile.num_layers <= MAX_LAYERS_WITH_STASH
+
+    @property
+    def timeline_share(self) -> float:  # of the budget, kept for the timeline model
+        return 0.12 if self.opts.cost_model == "default" else 0.0
+
+    def tasks(self, cfg: Config, stash: bool = False, cuts=None, keep=()) -> Tasks:
+        tasks = build_tasks(self.profile, self.hw, self.batch, cfg, self.cap, gpu_opt=self.options, stash=stash,
+                            cuts=candidate_cuts(self.profile, cfg.u_bwd, keep=keep) if cuts is None else cuts)
+        self.budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
+        return tasks
+
+    def plan_of(self, c: _Candidate, seq) -> Plan:
+        f, b, o = packs_of(c.tasks, seq)
+        return Plan("cp-sat", c.cfg.mode, c.cfg.gpus, self.batch, c.cfg.u_fwd, c.cfg.u_bwd, f, b,
+                    c.tasks.num_layers, options=tuple(PackOptions(r, "gpu" if g else "cpu") for r, g in o),
+                    allow_uneven=self.opts.uneven, memory_cap=self.cap, cost_model=self.opts.cost_model, **self.ident)
+
+    def judge(self, plan_: Plan) -> float:
+        """Simulated iteration time (inf if the simulator rejects the plan), charged to the budget."""
+        try:
+            if self.opts.cost_model == "harmony":
+                tl = simulate_harmony(plan_, self.profile, with_timeline=False)
+                events = 4 * (len(plan_.packs_fwd) + 2 * len(plan_.packs_bwd))
+            else:
+                tl = simulate(plan_, self.profile, self.hw, with_timeline=False)
+                events = tl.meta["events"]
+        except PlanError:
+            return float("inf")
+        self.budget.spend(Budget.PER_EVENT * events)
+        return tl.iteration_time
+
+    def infeasible(self) -> InfeasibleError:
+        return explain_infeasible(self.profile, self.cap,
+                                  feasible_sizes(self.profile, self.batch, "vDP", self.hw.gpus, "FWD"),
+                                  feasible_sizes(self.profile, self.batch, "vDP", self.hw.gpus, "BWD"))
+
+
+def _harmony(S: _Search) -> Plan | None:
+    """Harmony's search in the modes asked for, the best by the simulator (published packing
+    heuristics; all of them in Harmony's space): the incumbent and the hint."""
+    best = None
+    for mode in (("vPP", "vDP") if S.opts.mode == "auto" else (S.opts.mode,)):
+        try:
+            packing = "all" if S.opts.harmony_space else "published"
+            hp = plan_harmony(S.profile, S.hw, S.batch, S.cap, mode=mode, gpus=S.opts.gpus or S.hw.gpus,
+                              packing_fwd=packing, packing_bwd=packing, cost_model=S.opts.cost_model)
+        except HarmonyOptError:
+            continue
+        if hp.simulated_iteration_time_s is not None and (
+                best is None or hp.simulated_iteration_time_s < best.simulated_iteration_time_s):
+            best = hp
+    if best is not None:
+        S.say(f"hint: Harmony's search, {best.mode} x{best.gpus} u={best.microbatch_fwd}/{best.microbatch_bwd}: "
+              f"{best.simulated_iteration_time_s:.4f} s simulated")
+    return best
+
+
+def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent: Plan | None, stats: dict):
+    """Step 2: a first solution per configuration in bound order, until the bound reaches the best
+    model value (the rest is pruned) or the budget share runs out. Returns (candidates, the least
+    bound of the configurations not reached)."""
+    hint_cfg = None if incumbent is None else Config(incumbent.mode, incumbent.gpus, incumbent.microbatch_fwd,
+                                                     incumbent.microbatch_bwd)
+    found, best_value = [], float("inf")
+    for i, cfg in enumerate(configs):
+        if bounds[cfg] >= best_value:
+            stats["pruned"] += len(configs) - i
+            return found, float("inf")
+        if S.budget.left(0.45) <= 0:
+            stats["out_of_budget"] += len(configs) - i
+            return found, bounds[cfg]
+        hint, keep = None, ()
+        if cfg == hint_cfg:
+            keep = [a for a, _ in incumbent.packs_fwd] + [a for a, _ in incumbent.packs_bwd]
+        tasks = S.tasks(cfg, keep=keep)
+        if cfg == hint_cfg:
+            try:
+                hint = sequence_of(tasks, incumbent.packs_fwd, incumbent.packs_bwd,
+                                   [(o.recompute, o.optimizer == "gpu") for o in incumbent.options])
+            except KeyError:
+                pass
+        first = _first_solution(tasks, S.profile, hint, S.budget) if len(tasks.table) else None
+        if first is None or not np.isfinite(first[0]):
+            stats["infeasible"] += 1
+            continue
+        stats["evaluated"] += 1
+        value, seq, dp_bound = first
+        bound = max(bounds[cfg], dp_bound if dp_bound is not None else 0.0)
+        found.append(_Candidate(cfg, tasks, seq, value, bound, "dp" if dp_bound is not None else "balanced"))
+        if value < best_value:
+            best_value = value
+            S.say(f"[{i + 1}/{len(configs)}] {cfg}: model {value:.4f} s  <- best so far")
+    return found, float("inf")
+
+
 def _first_solution(tasks: Tasks, profile: Profile, hint, budget: Budget):
     """(model value, sequence, bound or None) of a first solution: the DP's optimum for a chain,
     which also bounds the model's optimum (the DP leaves out only the link floor, which can only
@@ -231,189 +346,52 @@ def _first_solution(tasks: Tasks, profile: Profile, hint, budget: Budget):
     return (starts[0][0], starts[0][1], None) if starts else None
 
 
-def _improve(c: "_Candidate", steps: int, seed: int, budget: Budget) -> None:
-    """Local search on a vPP candidate (search.py), in place."""
-    value, seq, work = search.improve(c.tasks, c.seq, steps, seed=seed)
-    budget.spend(Budget.PER_STEP * steps + Budget.PER_TASK * work)
-    if value < c.value:
-        c.value, c.seq, c.how = value, seq, "search"
-
-
-def _plan_of(c: _Candidate, seq, batch: int, cap: int, opts: PlannerOptions, ident: dict) -> Plan:
-    f, b, o = packs_of(c.tasks, seq)
-    return Plan("cp-sat", c.cfg.mode, c.cfg.gpus, batch, c.cfg.u_fwd, c.cfg.u_bwd, f, b, c.tasks.num_layers,
-                options=tuple(PackOptions(r, "gpu" if g else "cpu") for r, g in o), allow_uneven=opts.uneven,
-                memory_cap=cap, cost_model=opts.cost_model, **ident)
-
-
-def _polish(c: _Candidate, plan_: Plan, t_best: float, profile, hw, batch, cap, opts, ident, budget: Budget,
-            share: float, say) -> tuple[Plan, float]:
-    """First-improvement descent judged by the simulator from the best candidate: move one pack
-    boundary by one candidate boundary, or toggle one pack's optimizer placement (search.neighbours,
-    a fixed order); stop at a local optimum or when the budget share is spent. Updates ``c``."""
-    improved = True
-    while improved:
-        improved = False
-        for seq in search.neighbours(c.tasks, c.seq):
-            if budget.left(share) <= 0:
-                return plan_, t_best
-            cand = _plan_of(c, seq, batch, cap, opts, ident)
-            t, events = _judge(cand, profile, hw, opts.cost_model)
-            budget.spend(Budget.PER_EVENT * events + Budget.PER_TASK * len(seq))
-            if t < t_best * (1 - 1e-9):
-                say(f"simulated neighbour of {c.cfg}: {t:.4f} s  <- best")
-                plan_, t_best = cand, t
-                c.seq, c.value, c.how, c.proof = seq, evaluate(c.tasks, seq), "polish", None
-                improved = True
-                break
-    return plan_, t_best
-
-
-def _judge(plan_: Plan, profile: Profile, hw: Hardware, cost_model: str) -> tuple[float, int]:
-    """Simulated iteration time (inf if the simulator rejects the plan) and how many events it played."""
-    try:
-        if cost_model == "harmony":
-            tl = simulate_harmony(plan_, profile, with_timeline=False)
-            return tl.iteration_time, 4 * (len(plan_.packs_fwd) + 2 * len(plan_.packs_bwd))
-        tl = simulate(plan_, profile, hw, with_timeline=False)
-        return tl.iteration_time, tl.meta["events"]
-    except PlanError:
-        return float("inf"), 0
-
-
-def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | None = None, *,
-         memory_cap: int | None = None, report=None) -> Plan:
-    """The best plan found, with the solver's statistics in ``plan.solver``.
-
-    Deterministic: configurations are visited in a fixed order, the heuristics use seeded
-    generators and fixed step counts, CP-SAT runs under a deterministic time limit, so the same
-    inputs, seed and workers give the same plan."""
-    opts = options or PlannerOptions()
-    _validate(opts, hw, batch)
-    cap = int(memory_cap or hw.gpu_memory_bytes)
-    say = report or (lambda s: None)
-    t_start = time.perf_counter()
-    budget = Budget(0.92 * opts.time_limit)     # the rest: Harmony's search and the report
-    ident = {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()}
-    search_options = opts.options and not opts.harmony_space
-    stash = search_options and profile.num_layers <= MAX_LAYERS_WITH_STASH
-
-    # -- Harmony's search: the incumbent (never slower than it), the hint, the speed-up's reference
-    incumbent, best_t, harmony_t = None, float("inf"), None
-    if opts.hint:
-        for mode in (("vPP", "vDP") if opts.mode == "auto" else (opts.mode,)):
-            try:
-                packing = "all" if opts.harmony_space else "published"
-                hp = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=opts.gpus or hw.gpus,
-                                  packing_fwd=packing, packing_bwd=packing, cost_model=opts.cost_model)
-            except HarmonyOptError:
-                continue
-            t = hp.simulated_iteration_time_s
-            if t is not None and t < best_t:
-                incumbent, best_t, harmony_t = hp, t, t
-        if incumbent is not None:
-            say(f"hint: Harmony's search, {incumbent.mode} x{incumbent.gpus} u={incumbent.microbatch_fwd}/"
-                f"{incumbent.microbatch_bwd}: {best_t:.4f} s simulated")
-
-    # -- 1. configurations, by their cheap bound (the hint's first: its model value prunes early)
-    configs = configurations(profile, hw, batch, opts)
-    bounds = {c: config_bound(profile, hw, batch, c, cap, stash) for c in configs}
-    configs = sorted((c for c in configs if np.isfinite(bounds[c])), key=lambda c: (bounds[c], str(c)))
-    hint_cfg = None
-    if incumbent is not None:
-        hint_cfg = Config(incumbent.mode, incumbent.gpus, incumbent.microbatch_fwd, incumbent.microbatch_bwd)
-        if hint_cfg in configs:
-            configs.remove(hint_cfg)
-            configs.insert(0, hint_cfg)
-    say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound")
-    stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
-
-    # -- 2. a first solution per configuration, on the model
-    found: list[_Candidate] = []
-    open_bound = float("inf")          # least cheap bound of the configurations not evaluated
-    best_value = float("inf")
-    for i, cfg in enumerate(configs):
-        if bounds[cfg] >= best_value:
-            stats["pruned"] += len(configs) - i
-            break
-        if budget.left(0.45) <= 0:
-            stats["out_of_budget"] += len(configs) - i
-            open_bound = bounds[cfg]
-            break
-        keep = ()
-        if cfg == hint_cfg:
-            keep = [a for a, _ in incumbent.packs_fwd] + [a for a, _ in incumbent.packs_bwd]
-        tasks = build_tasks(profile, hw, batch, cfg, cap, gpu_opt=search_options, stash=False,
-                            cuts=candidate_cuts(profile, cfg.u_bwd, keep=keep))
-        budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
-        hint = None
-        if cfg == hint_cfg:
-            try:
-                hint = sequence_of(tasks, incumbent.packs_fwd, incumbent.packs_bwd,
-                                   [(o.recompute, o.optimizer == "gpu") for o in incumbent.options])
-            except KeyError:
-                hint = None
-        first = _first_solution(tasks, profile, hint, budget) if len(tasks.table) else None
-        if first is None or not np.isfinite(first[0]):
-            stats["infeasible"] += 1
-            continue
-        stats["evaluated"] += 1
-        value, seq, dp_bound = first
-        bound = max(bounds[cfg], dp_bound if dp_bound is not None else 0.0)
-        found.append(_Candidate(cfg, tasks, seq, value, bound, "dp" if dp_bound is not None else "balanced"))
-        if value < best_value:
-            best_value = value
-            say(f"[{i + 1}/{len(configs)}] {cfg}: model {value:.4f} s  <- best so far")
-    # local search on the most promising vPP configurations (a chain's DP solution is already optimal)
+def _local_search(S: _Search, found: list[_Candidate]) -> None:
+    """Local search on the three most promising vPP configurations (a chain's DP solution is optimal)."""
     vpp = sorted((c for c in found if c.cfg.ranks > 1), key=lambda c: (c.value, str(c.cfg)))
-    steps = 2000 if opts.time_limit >= 5 else 600
+    steps = 2000 if S.opts.time_limit >= 5 else 600
     for k, c in enumerate(vpp[:3]):
-        if budget.left(0.6) <= 0:
-            break
-        _improve(c, steps, opts.seed + k, budget)
-        say(f"local search {c.cfg}: model {c.value:.4f} s")
+        if S.budget.left(0.6) <= 0:
+            return
+        value, seq, work = search.improve(c.tasks, c.seq, steps, seed=S.opts.seed + k)
+        S.budget.spend(Budget.PER_STEP * steps + Budget.PER_TASK * work)
+        if value < c.value:
+            c.value, c.seq, c.how = value, seq, "search"
+        S.say(f"local search {c.cfg}: model {c.value:.4f} s")
 
-    if not found and incumbent is None:
-        raise explain_infeasible(profile, cap, feasible_sizes(profile, batch, "vDP", hw.gpus, "FWD"),
-                                 feasible_sizes(profile, batch, "vDP", hw.gpus, "BWD"))
 
-    # -- 3. CP-SAT on the most promising configurations (options and stash variants included)
-    found.sort(key=lambda c: (c.value, str(c.cfg)))
-    timeline_share = 0.12 if opts.cost_model == "default" else 0.0
-    for c in found[:4]:
-        left = budget.left(0.85 - timeline_share)
+def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
+    """Step 3: CP-SAT on the four most promising configurations, with the stash variants, from the
+    first solution as a complete hint. A chain whose DP optimum already meets the link floors is
+    proven optimal by the DP; a vPP model too large for the budget is left to the local search."""
+    for c in sorted(found, key=lambda c: (c.value, str(c.cfg)))[:4]:
+        left = S.budget.left(0.85 - S.timeline_share)
         if left <= 0.1:
-            break
-        if c.cfg.ranks == 1 and not stash and c.how == "dp" and c.value <= c.bound + 1e-9:
-            c.proof = "dp"      # the DP's optimum, and the link floors it leaves out do not bind: optimal
+            return
+        if c.cfg.ranks == 1 and not S.stash and c.how == "dp" and c.value <= c.bound + 1e-9:
+            c.proof = "dp"
             continue
         tasks, seq = c.tasks, c.seq
-        if stash:      # offer the stash variants to CP-SAT (the heuristics above leave them out)
-            tasks = build_tasks(profile, hw, batch, c.cfg, cap, gpu_opt=search_options, stash=True, cuts=c.tasks.cuts)
-            budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
+        if S.stash:
+            tasks = S.tasks(c.cfg, stash=True, cuts=c.tasks.cuts)
             idx = tasks.table.index()
             seq = [idx[c.tasks.table.key(k)] for k in c.seq]
-        lay = None
-        size = len(tasks.table)
+        lay, size = None, len(tasks.table)
         if c.cfg.ranks > 1:
             nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
             lay = pipeline.layout(tasks, nf + 2 * c.cfg.ranks, len(seq) - nf + 2 * c.cfg.ranks)
             size = sum(len(r) for r in lay.rows)
             if size > MAX_PIPELINE_VARIABLES:
-                continue        # too large to pay off in the budget: the local search's solution stands
+                continue
         build_cost = Budget.PER_MODEL_ROW * size + Budget.PER_SOLVE
-        limit = min(left - build_cost, 0.4 * budget.total)
+        limit = min(left - build_cost, 0.4 * S.budget.total)
         if limit < 0.2:
-            continue            # not enough budget left to build and search this model
-        budget.spend(build_cost)
-        label = str(c.cfg)
-        if lay is None:
-            res = chain.solve(tasks, time_limit=limit, seed=opts.seed, workers=opts.workers, rel_gap=opts.rel_gap,
-                              hint=seq, report=say, label=label)
-        else:
-            res = pipeline.solve(tasks, layout_=lay, time_limit=limit, seed=opts.seed, workers=opts.workers,
-                                 rel_gap=opts.rel_gap, hint=seq, report=say, label=label)
-        budget.spend(res.deterministic_time)
+            continue
+        S.budget.spend(build_cost)
+        common = dict(time_limit=limit, seed=S.opts.seed, workers=S.opts.workers, rel_gap=S.opts.rel_gap, hint=seq,
+                      report=S.say, label=str(c.cfg))
+        res = chain.solve(tasks, **common) if lay is None else pipeline.solve(tasks, layout_=lay, **common)
+        S.budget.spend(res.deterministic_time)
         c.solve = res
         if res.objective is not None:
             v = evaluate(tasks, res.sequence)
@@ -425,64 +403,135 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
                 # positions the model was given, so it is not used)
                 c.bound = max(c.bound, res.bound)
         shown = "no solution" if res.objective is None else f"{res.objective:.4f} s"
-        say(f"CP-SAT {label}: {res.status.lower()}, {shown}, bound {res.bound:.4f} s")
+        S.say(f"CP-SAT {c.cfg}: {res.status.lower()}, {shown}, bound {res.bound:.4f} s")
 
-    # -- 4. the simulator judges the best candidates (at least two); Harmony's plan is the incumbent
-    found.sort(key=lambda c: (c.value, str(c.cfg)))
+
+def _judge_candidates(S: _Search, found: list[_Candidate], incumbent: Plan | None):
+    """Step 4: simulate the best candidates (at least two, then while the model rates them within
+    SIMULATE_WITHIN of the best); the fastest wins, Harmony's plan being the incumbent. Returns
+    (plan, simulated time, its candidate or None when Harmony's plan stayed the best)."""
     best_plan, best_c = incumbent, None
+    best_t = incumbent.simulated_iteration_time_s if incumbent is not None else float("inf")
+    found.sort(key=lambda c: (c.value, str(c.cfg)))
     for k, c in enumerate(found[:12]):
-        if k >= 2 and (budget.left(1.0 - timeline_share) <= 0 or c.value > SIMULATE_WITHIN * found[0].value):
+        if k >= 2 and (S.budget.left(1.0 - S.timeline_share) <= 0 or c.value > SIMULATE_WITHIN * found[0].value):
             break
-        cand = _plan_of(c, c.seq, batch, cap, opts, ident)
-        t, events = _judge(cand, profile, hw, opts.cost_model)
-        budget.spend(Budget.PER_EVENT * events)
-        say(f"simulated {c.cfg} ({c.how}): {t:.4f} s (model {c.value:.4f} s)" + ("  <- best" if t < best_t else ""))
+        cand = S.plan_of(c, c.seq)
+        t = S.judge(cand)
+        S.say(f"simulated {c.cfg} ({c.how}): {t:.4f} s (model {c.value:.4f} s)" + ("  <- best" if t < best_t else ""))
         if t < best_t:
             best_plan, best_t, best_c = cand, t, c
     if best_plan is None:
-        raise explain_infeasible(profile, cap, feasible_sizes(profile, batch, "vDP", hw.gpus, "FWD"),
-                                 feasible_sizes(profile, batch, "vDP", hw.gpus, "BWD"))
+        raise S.infeasible()
+    return best_plan, best_t, best_c
 
-    # -- 5. polish with the simulator: the model is a few % off in places, the simulator is the judge
+
+def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float) -> tuple[Plan, float]:
+    """Step 5: first-improvement descent judged by the simulator (the model is a few % off in
+    places): move one pack boundary by one candidate boundary, or toggle one pack's optimizer
+    placement (search.neighbours, a fixed order); stop at a local optimum or when the budget share
+    is spent. Updates ``c``."""
+    improved = True
+    while improved:
+        improved = False
+        for seq in search.neighbours(c.tasks, c.seq):
+            if S.budget.left(1.0 - S.timeline_share) <= 0:
+                return plan_, t_best
+            cand = S.plan_of(c, seq)
+            t = S.judge(cand)
+            S.budget.spend(Budget.PER_TASK * len(seq))
+            if t < t_best * (1 - 1e-9):
+                S.say(f"simulated neighbour of {c.cfg}: {t:.4f} s  <- best")
+                plan_, t_best = cand, t
+                c.seq, c.value, c.how, c.proof = seq, evaluate(c.tasks, seq), "polish", None
+                improved = True
+                break
+    return plan_, t_best
+
+
+def _timeline(S: _Search, plan_: Plan) -> dict | None:
+    """Step 6: the timeline model of the plan's events, with what is left of the budget."""
+    if S.timeline_share <= 0:
+        return None
+    events = simulate(plan_, S.profile, S.hw, with_timeline=False).meta["events"]
+    limit = min(1.0, S.budget.left() - Budget.PER_TIMELINE_EVENT * events)
+    if limit < 0.1:
+        return None
+    S.budget.spend(Budget.PER_TIMELINE_EVENT * events + limit)
+    tr = solve_timeline(plan_, S.profile, S.hw, time_limit=limit, seed=S.opts.seed, workers=S.opts.workers,
+                        report=S.say)
+    return {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "gap": tr.gap,
+            "events": tr.events, "wall_time_s": tr.wall_time}
+
+
+def _configuration_report(S: _Search, c: _Candidate | None) -> dict | None:
+    """What was proven about the chosen configuration (plan.solver["configuration"])."""
+    if c is None:
+        return None
+    r = c.solve if c.solve is not None and c.solve.objective is not None else None
+    if c.proof == "dp":
+        status, proof = "OPTIMAL", "dp"
+    elif r is not None and r.status == "OPTIMAL" and c.cfg.ranks == 1:
+        status, proof = "OPTIMAL", "cp-sat"
+    else:
+        status, proof = "FEASIBLE", None
+    conf = {"configuration": str(c.cfg), "status": status, "proof": proof, "found_by": c.how,
+            "objective": c.value, "bound": c.bound, "gap": max(0.0, (c.value - c.bound) / c.value),
+            "cp_sat": None if c.solve is None else {"status": c.solve.status, "wall_time_s": c.solve.wall_time}}
+    if S.opts.cost_model != "default":
+        # the model describes the default simulator: its proofs and bounds say nothing about another
+        conf.update(status="FEASIBLE", proof=None, bound=None, gap=None)
+    return conf
+
+
+def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | None = None, *,
+         memory_cap: int | None = None, report=None) -> Plan:
+    """The best plan found, with the solver's statistics in ``plan.solver``.
+
+    Deterministic: configurations are visited in a fixed order, the heuristics use seeded
+    generators and fixed step counts, CP-SAT runs under a deterministic time limit, so the same
+    inputs, seed and workers give the same plan."""
+    opts = options or PlannerOptions()
+    _validate(opts, hw, batch)
+    t_start = time.perf_counter()
+    S = _Search(profile, hw, batch, int(memory_cap or hw.gpu_memory_bytes), opts,
+                Budget(0.92 * opts.time_limit),      # the rest: Harmony's search and the report
+                report or (lambda s: None),
+                {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()})
+    incumbent = _harmony(S) if opts.hint else None
+    harmony_t = incumbent.simulated_iteration_time_s if incumbent is not None else None
+
+    # 1. configurations in the order of their cheap bound, the hint's first (its value prunes early)
+    configs = configurations(profile, hw, batch, opts)
+    bounds = {c: config_bound(profile, hw, batch, c, S.cap, S.stash) for c in configs}
+    configs = sorted((c for c in configs if np.isfinite(bounds[c])), key=lambda c: (bounds[c], str(c)))
+    if incumbent is not None:
+        hint_cfg = Config(incumbent.mode, incumbent.gpus, incumbent.microbatch_fwd, incumbent.microbatch_bwd)
+        if hint_cfg in configs:
+            configs.remove(hint_cfg)
+            configs.insert(0, hint_cfg)
+    S.say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound")
+    stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
+
+    found, open_bound = _first_solutions(S, configs, bounds, incumbent, stats)            # 2
+    if not found and incumbent is None:
+        raise S.infeasible()
+    _local_search(S, found)
+    _cp_sat(S, found)                                                                     # 3
+    best_plan, best_t, best_c = _judge_candidates(S, found, incumbent)                    # 4
     if best_c is not None:
-        best_plan, best_t = _polish(best_c, best_plan, best_t, profile, hw, batch, cap, opts, ident, budget,
-                                    1.0 - timeline_share, say)
+        best_plan, best_t = _polish(S, best_c, best_plan, best_t)                          # 5
+    timeline = _timeline(S, best_plan)                                                     # 6
 
-    # the bound over the searched space: every configuration's own bound (evaluated ones) and the
-    # cheap bound of those not evaluated
-    space_bound = min([c.bound for c in found] + [open_bound])
+    conf = _configuration_report(S, best_c)
+    # the bound over the searched space: every evaluated configuration's own bound and the cheap
+    # bound of those not reached (none where the model does not describe the judging simulator)
+    space_bound = min([c.bound for c in found] + [open_bound]) if opts.cost_model == "default" else None
     if best_c is not None:
         model_value = best_c.value
     else:                                  # Harmony's plan won: its value on our model, if representable
-        model_value = _model_value_of(incumbent, profile, hw, batch, cap, search_options)
-    lb = lower_bound(profile, hw, batch, cap)
-    timeline = None
-    events = _judge(best_plan, profile, hw, opts.cost_model)[1] if timeline_share > 0 else 0
-    limit = min(1.0, budget.left() - Budget.PER_TIMELINE_EVENT * events)
-    if timeline_share > 0 and limit >= 0.1:
-        budget.spend(Budget.PER_TIMELINE_EVENT * events)
-        tr = solve_timeline(best_plan, profile, hw, time_limit=limit, seed=opts.seed, workers=opts.workers, report=say)
-        budget.spend(limit)
-        timeline = {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "gap": tr.gap,
-                    "events": tr.events, "wall_time_s": tr.wall_time}
-    conf = None
-    if best_c is not None:
-        r = best_c.solve if best_c.solve is not None and best_c.solve.objective is not None else None
-        if best_c.proof == "dp":
-            status, proof = "OPTIMAL", "dp"
-        elif r is not None and r.status == "OPTIMAL" and best_c.cfg.ranks == 1:
-            status, proof = "OPTIMAL", "cp-sat"
-        else:
-            status, proof = "FEASIBLE", None
-        conf = {"configuration": str(best_c.cfg), "status": status, "proof": proof, "found_by": best_c.how,
-                "objective": best_c.value, "bound": best_c.bound,
-                "gap": max(0.0, (best_c.value - best_c.bound) / best_c.value),
-                "cp_sat": None if best_c.solve is None else {"status": best_c.solve.status,
-                                                            "wall_time_s": best_c.solve.wall_time}}
-    if opts.cost_model != "default" and conf:
-        # the model describes the default simulator: its proofs and bounds say nothing about another
-        conf.update(status="FEASIBLE", proof=None, bound=None, gap=None)
-        space_bound = None
+        model_value = _model_value_of(incumbent, profile, hw, batch, S.cap)
+    lb = lower_bound(profile, hw, batch, S.cap)
     solver = {
         "status": conf["status"] if conf else "NOT_SOLVED",
         "model": None if best_c is None else ("chain" if best_c.cfg.ranks == 1 else "pipeline"),
@@ -494,7 +543,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
         "configuration": conf,
         "timeline": timeline,
         "wall_time_s": time.perf_counter() - t_start,
-        "work_s": budget.used,
+        "work_s": S.budget.used,
         "lower_bound_s": lb["bound_s"],
         "gap_to_lower_bound": (best_t - lb["bound_s"]) / best_t,
         "harmony_time_s": harmony_t,
@@ -506,7 +555,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
                              stats={"efficiency": lb["bound_s"] / best_t})
 
 
-def _model_value_of(p: Plan, profile, hw, batch, cap, options: bool) -> float | None:
+def _model_value_of(p: Plan, profile, hw, batch, cap) -> float | None:
     """The model's iteration time of a given plan (None if one of its packs is not a candidate)."""
     cfg = Config(p.mode, p.gpus, p.microbatch_fwd, p.microbatch_bwd)
     keep = [a for a, _ in p.packs_fwd] + [a for a, _ in p.packs_bwd]
