@@ -165,7 +165,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         return float("inf")
     s = int(fits[0])
     copies = cfg.gpus if cfg.mode == "vDP" else 1
-    wait = (copies + 1) / 2 if hw.shared_host_link else 1
+    wait = copies if hw.shared_host_link else 1        # a transfer's time in vDP (tasks.py)
     link = (hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else cfg.gpus)
     bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
     for u in split_microbatches(share, cfg.u_bwd):

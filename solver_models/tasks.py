@@ -18,8 +18,9 @@ The quantities follow the default simulator's rules (harmony_opt/simulator.py, d
 * ``h2d`` / ``d2h``: bytes over the host link, for the link's capacity.
 
 In vDP the replicas run in lockstep on one shared host link: their simultaneous transfers take
-turns, so a transfer takes (N + 1) / 2 times as long as alone on average, and the link's
-capacity bounds the sum of all replicas' bytes.
+turns, and since the replicas meet at every backward pack's all-reduce, the one served last sets
+the pace: every host transfer takes N times as long as alone. The link's capacity bounds the sum
+of all replicas' bytes (timing.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ F, C, B = 0, 1, 2          # task kinds in TaskTable.kind
 TICKS_PER_S = 10_000       # the models' integer time unit: 100 us (small coefficients keep CP-SAT's LP well scaled)
 MEM_UNIT = 2**20           # the memory rules count MiB
 TIME_COLUMNS = ("p_first", "p_last", "load", "hop_in", "w_load", "tail", "upd")
-KIND_NAMES = "FCB"
 
 #: At most this many candidate packs per start boundary (the longest that fit), so models of
 #: up to this many layers (or candidate boundaries) are searched without restriction.
@@ -114,11 +114,9 @@ class Tasks:
     table: TaskTable
     num_layers: int
     cap: int
-    microbatches: tuple[int, int]      # forward and backward microbatches per copy of the chain
     link_bw: tuple[float, float]       # bytes/s through the shared host link per direction
     link_copies: int                   # copies of the chain that share the host link (vDP: N)
     saved_fwd: np.ndarray | None       # bytes per layer a stashed layer adds to its forward pack
-    fwd_mem: np.ndarray | None         # bytes: working set of each F row without stash (aligned with F rows)
     cuts: np.ndarray                   # boundaries where packs may start/end (all, unless coarsened)
     _ticks: dict | None = dataclasses.field(default=None, repr=False)
 
@@ -202,10 +200,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     n = cfg.gpus
     chain = cfg.ranks == 1
     copies = n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1
-    # N replicas' simultaneous transfers take turns on the link; they meet at every all-reduce,
-    # where the one served last sets the pace
-    wait = copies
-    bw_in, bw_out = hw.h2d_bandwidth / wait, hw.d2h_bandwidth / wait
+    bw_in, bw_out = hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies     # see the module docstring
     p2p = hw.p2p_bandwidth if (not chain and hw.p2p_bandwidth > 0) else 0.0
     replicas = n if cfg.mode == "vDP" and n > 1 and hw.p2p_bandwidth > 0 else 1
     cf, cb = profile.costs("FWD", cfg.u_fwd), profile.costs("BWD", cfg.u_bwd)
@@ -327,10 +322,10 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
                 parts.append(backward(kind, s, e, recompute, on_gpu))
     table = TaskTable.concat(parts)
     saved = np.asarray(cf.saved, np.float64) if stash_ok else None
-    return Tasks(cfg, table, R, int(cap), (len(uf_list), len(ub_list)),
+    return Tasks(cfg, table, R, int(cap),
                  ((hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else n),
                   (hw.link_bandwidth or hw.d2h_bandwidth) * (1 if hw.shared_host_link else n)),
-                 copies if cfg.mode == "vDP" else 1, saved, fwd_mem if stash_ok else None, cuts)
+                 copies if cfg.mode == "vDP" else 1, saved, cuts)
 
 
 def _table(kind, s, e, recompute, gpu_opt, **cols) -> TaskTable:
