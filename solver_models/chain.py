@@ -75,7 +75,7 @@ def build(tasks: Tasks):
     # [START path constraints]
     # exactly one criterion pack; a forward path 0 -> s and a backward path s -> 0 around it
     m.add_exactly_one(x[k] for k in np.flatnonzero(t.kind == C))
-    for key in set(into) | set(out):
+    for key in sorted(set(into) | set(out)):       # sorted: the same model in every process
         src = 1 if key == ("F", 0) else sum(x[k] for k in into.get(key, []))
         m.add(sum(x[k] for k in out.get(key, [])) == src)
     cpsat.stash_memory(m, tasks, {k: [xk] for k, xk in enumerate(x)})

@@ -28,7 +28,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from . import cpsat
-from .tasks import B, C, F, Tasks, TIME_COLUMNS
+from .tasks import B, C, F, Tasks, TIME_COLUMNS, min_packs
 
 
 @dataclasses.dataclass
@@ -39,23 +39,12 @@ class Layout:
     rows: list[np.ndarray]      # rows[j] = task rows that may sit at position j
 
 
-def min_backward_packs(tasks: Tasks) -> np.ndarray:
-    """Fewest backward packs covering layers 0..v-1, per boundary v."""
-    t, R = tasks.table, tasks.num_layers
-    sel = np.flatnonzero(t.kind == B)
-    best = np.full(R + 1, 10**9)
-    best[0] = 0
-    for k in sel[np.argsort(t.start[sel], kind="stable")]:
-        best[t.end[k] + 1] = min(best[t.end[k] + 1], best[t.start[k]] + 1)
-    return best
-
-
 def layout(tasks: Tasks, max_fwd: int, max_bwd: int) -> Layout:
     """Positions 0 .. max_fwd + max_bwd; keep (j, row) only if the row's start is reachable at j
     and the chain can still be completed from its end in the positions left."""
     t, R = tasks.table, tasks.num_layers
     J = max_fwd + 1 + max_bwd
-    min_b = min_backward_packs(tasks)
+    min_b = min_packs(tasks, B)
     kind, s, e = t.kind, t.start, t.end
     reach_f = np.zeros(R + 1, bool)
     reach_f[0] = True
@@ -105,11 +94,11 @@ def build(tasks: Tasks, lay: Layout):
             if a > 0:
                 in_b[j + 1, a].append(v)
     m.add_exactly_one(crits)
-    for key in set(out_f) | set(in_f):
+    for key in sorted(set(out_f) | set(in_f)):     # sorted: the same model in every process
         m.add(sum(out_f.get(key, [])) == (1 if key == (0, 0) else sum(in_f.get(key, []))))
     if (0, 0) not in out_f:
         m.add_bool_or([])       # nothing can start the chain
-    for key in set(out_b) | set(in_b):
+    for key in sorted(set(out_b) | set(in_b)):
         m.add(sum(out_b.get(key, [])) == sum(in_b.get(key, [])))
     for j in range(J):          # one task per position (implied by the flow; stated for propagation)
         if len(lay.rows[j]) > 1:

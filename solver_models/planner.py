@@ -323,7 +323,8 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
             continue
         stats["evaluated"] += 1
         value, seq, dp_bound = first
-        bound = max(bounds[cfg], dp_bound if dp_bound is not None else 0.0)
+        # the DP's optimum bounds the configuration only where no stash variant could beat it
+        bound = max(bounds[cfg], dp_bound if dp_bound is not None and not S.stash else 0.0)
         found.append(_Candidate(cfg, tasks, seq, value, bound, "dp" if dp_bound is not None else "balanced"))
         if value < best_value:
             best_value = value
@@ -395,6 +396,9 @@ def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
         c.solve = res
         if res.objective is not None:
             v = evaluate(tasks, res.sequence)
+            if v < c.value and c.cfg.ranks > 1:
+                # the vPP model can be far off where CP-SAT exploits it: the simulator sees both
+                found.append(dataclasses.replace(c, solve=None))
             if v < c.value or (v == c.value and c.cfg.ranks == 1):
                 # credited to CP-SAT where it improved the solution (or proved a chain's optimum)
                 c.tasks, c.seq, c.value, c.how = tasks, res.sequence, v, "cp-sat"
@@ -471,7 +475,7 @@ def _configuration_report(S: _Search, c: _Candidate | None) -> dict | None:
     r = c.solve if c.solve is not None and c.solve.objective is not None else None
     if c.proof == "dp":
         status, proof = "OPTIMAL", "dp"
-    elif r is not None and r.status == "OPTIMAL" and c.cfg.ranks == 1:
+    elif r is not None and r.status == "OPTIMAL" and c.cfg.ranks == 1 and c.how == "cp-sat":
         status, proof = "OPTIMAL", "cp-sat"
     else:
         status, proof = "FEASIBLE", None

@@ -14,7 +14,7 @@ import random
 
 import numpy as np
 
-from .tasks import C, Tasks
+from .tasks import B, C, F, Tasks, min_packs
 from .timing import evaluate, sequence_of
 
 
@@ -61,8 +61,12 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
     if hint is not None:
         out.append((evaluate(tasks, hint), list(hint)))
     n = tasks.cfg.ranks
-    counts = sorted({1, 2, 4, 8, 16, 32, n, 2 * n, 3 * n, 4 * n})
+    grid = {1, 2, 4, 8, 16, 32, n, 2 * n, 3 * n, 4 * n}
+    fewest_f, fewest_b = min_packs(tasks, F), min_packs(tasks, B)
     for s in sorted({int(crit[0]), int(crit[min(len(crit) - 1, 1)]), int(crit[len(crit) // 4])}):
+        # around the fewest packs memory allows (equal-time packs may need a few more)
+        least = [int(m) for m in (fewest_f[s], fewest_b[s]) if 0 < m < 10**9]
+        counts = sorted(grid | {int(np.ceil(m * f)) for m in least for f in (1, 1.25, 1.5, 2)})
         for nf in counts:
             for nb in counts:
                 seq = balanced(tasks, profile, nf, nb, s)

@@ -145,6 +145,17 @@ class Tasks:
         return self._ticks
 
 
+def min_packs(tasks: "Tasks", kind: int) -> np.ndarray:
+    """Fewest packs of ``kind`` (F or B candidates) covering layers 0..v-1, per boundary v."""
+    t, R = tasks.table, tasks.num_layers
+    sel = np.flatnonzero(t.kind == kind)
+    best = np.full(R + 1, 10**9)
+    best[0] = 0
+    for k in sel[np.argsort(t.start[sel], kind="stable")]:
+        best[t.end[k] + 1] = min(best[t.end[k] + 1], best[t.start[k]] + 1)
+    return best
+
+
 def forward_costs(profile: Profile, u: int):
     """The forward costs a backward microbatch of size ``u`` recomputes, at the nearest profiled
     forward size (as the simulator takes them)."""

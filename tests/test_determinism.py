@@ -54,3 +54,18 @@ def test_timings_and_non_finite_numbers_stay_out_of_the_file(inputs):
                                                            "inner": {"wall_time_s": None}}
     assert d["stats"] == {"efficiency": None}
     assert plan.search_time_s > 0
+
+
+def test_cp_sat_plan_is_the_same_in_fresh_processes_with_other_hash_seeds(tmp_path):
+    """Python randomizes string hashing per process: no set or dict order may reach the models."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys; sys.path.insert(0, 'tests'); from conftest import synthetic_profile; "
+            "from harmony_opt.hardware import get_hardware; from solver_models.planner import PlannerOptions, plan; "
+            "p = plan(synthetic_profile(R=14, seed=4), get_hardware('1080ti-x4', memory_cap='600MB'), 8, "
+            "PlannerOptions(time_limit=3, seed=2)); sys.stdout.write(p.to_json())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outs = [subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    assert outs[0] == outs[1] and '"planner": "cp-sat"' in outs[0]
