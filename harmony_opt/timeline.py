@@ -22,6 +22,11 @@ H2D_STREAMS = ("swap_in", "swap_in_w", "SwapIn")
 D2H_STREAMS = ("swap_out", "SwapOut")
 P2P_STREAMS = ("p2p", "P2PIn", "P2POut")
 
+#: Gantt colours of the transfer streams (compute events are coloured by their kind).
+STREAM_COLORS = {"swap_in_w": "tab:brown", "swap_in": "tab:orange", "SwapIn": "tab:orange",
+                 "swap_out": "tab:purple", "SwapOut": "tab:purple", "p2p": "tab:pink", "P2PIn": "tab:pink",
+                 "P2POut": "tab:pink", "cpu": "tab:red", "CPU": "tab:red"}
+
 
 @dataclasses.dataclass
 class Timeline:
@@ -107,18 +112,20 @@ class Timeline:
         for y, (r, s) in enumerate(lanes):
             sub = ev[(ev["rank"] == r) & (ev["stream"] == s)]
             bars = list(zip(sub.start, sub.end - sub.start))
-            cols = [colors.get(k, {"swap_in": "tab:orange", "SwapIn": "tab:orange", "swap_out": "tab:purple",
-                                   "SwapOut": "tab:purple"}.get(s, "tab:gray")) for k in sub.kind]
+            cols = [colors.get(k, STREAM_COLORS.get(s, "tab:gray")) for k in sub.kind]
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=cols, edgecolor="none")
         ax.set_yticks(range(len(lanes)))
         ax.set_yticklabels([f"GPU{r} {s}" for r, s in lanes], fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(title or f"timeline ({self.cost_model} cost model): iteration {self.iteration_time:.3f} s")
         from matplotlib.patches import Patch
+        # legends above and beside the axes, never over the bars or the memory traces
         ax.legend(handles=[Patch(color=c, label=l) for l, c in (
             ("forward", "tab:blue"), ("recompute", "tab:cyan"), ("backward", "tab:green"),
-            ("CPU update", "tab:red"), ("swap in", "tab:orange"), ("swap out", "tab:purple"),
-            ("other", "tab:gray"))], fontsize=7, loc="upper right", ncol=4)
+            ("CPU update", "tab:red"), ("weights in", "tab:brown"), ("swap in", "tab:orange"),
+            ("swap out", "tab:purple"), ("GPU to GPU", "tab:pink"), ("other", "tab:gray"))],
+            fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=9, frameon=False)
+        ax.set_title(title or f"timeline ({self.cost_model} cost model): iteration {self.iteration_time:.3f} s",
+                     pad=22)
         for r, g in self.memory.groupby("rank"):
             g = g.sort_values("time")
             axm.step(g.time, g.bytes / 2**30, where="post", label=f"GPU{r}", lw=1)
@@ -128,8 +135,11 @@ class Timeline:
         axm.set_xlabel("time (s)")
         if xmax:
             axm.set_xlim(0, xmax)
+        top = max([float(self.memory.bytes.max()) if not self.memory.empty else 0.0, float(cap or 0)]) / 2**30
+        if top > 0:
+            axm.set_ylim(0, top * 1.08)
         if not self.memory.empty:
-            axm.legend(fontsize=7, loc="upper right", ncol=5)
+            axm.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110)
