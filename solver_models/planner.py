@@ -79,17 +79,17 @@ class Budget:
     measured on a 2-core machine (benchmarks/results/planner.md); they track wall time within a
     small factor."""
 
-    PER_CONFIG = 3e-3       # building a configuration's candidate tasks: fixed part ...
-    PER_ROW = 1e-6          # ... and per candidate task
-    PER_NODE = 3e-5         # the DP, per layer boundary ...
-    PER_PAIR = 3e-8         # ... and per (predecessor, task) pair it weighs
-    PER_START = 1.2e-5      # a balanced first solution, per task evaluated
-    PER_STEP = 1.5e-5       # a local-search step: fixed part ...
-    PER_TASK = 1.5e-6       # ... and per task of the evaluated sequence
-    PER_EVENT = 8e-6        # the simulator, per event
-    PER_MODEL_ROW = 7e-5    # building a CP-SAT model and completing its hint, per Boolean
+    PER_CONFIG = 1.5e-3     # building a configuration's candidate tasks: fixed part ...
+    PER_ROW = 5e-7          # ... and per candidate task
+    PER_NODE = 1.5e-5       # the DP, per layer boundary ...
+    PER_PAIR = 2e-8         # ... and per (predecessor, task) pair it weighs
+    PER_START = 6e-6        # a balanced first solution, per task evaluated
+    PER_STEP = 1e-5         # a local-search step: fixed part ...
+    PER_TASK = 1e-6         # ... and per task of the evaluated sequence
+    PER_EVENT = 1e-5        # the simulator, per event
+    PER_MODEL_ROW = 9e-5    # building a CP-SAT model and completing its hint, per Boolean
     PER_SOLVE = 0.05        # CP-SAT's start-up, which its deterministic clock barely counts
-    PER_TIMELINE_EVENT = 5e-4   # the timeline model, per event, besides its time limit
+    PER_TIMELINE_EVENT = 2.5e-4  # the timeline model, per event, besides its time limit
 
     def __init__(self, total: float):
         self.total, self.used = float(total), 0.0
@@ -239,7 +239,14 @@ class _Search:
 
     @property
     def timeline_share(self) -> float:  # of the budget, kept for the timeline model
-        return 0.12 if self.opts.cost_model == "default" else 0.0
+        return 0.15 if self.opts.cost_model == "default" else 0.0
+
+    def timeline_reserve(self, plan_: Plan) -> float:
+        """Work seconds to keep for the timeline model of ``plan_``: its size, plus a short search."""
+        if self.timeline_share <= 0:
+            return 0.0
+        events = simulate(plan_, self.profile, self.hw, with_timeline=False).meta["events"]
+        return min(0.3 * self.budget.total, Budget.PER_TIMELINE_EVENT * events + 0.3)
 
     def tasks(self, cfg: Config, stash: bool = False, cuts=None, keep=()) -> Tasks:
         tasks = build_tasks(self.profile, self.hw, self.batch, cfg, self.cap, gpu_opt=self.options, stash=stash,
@@ -435,11 +442,12 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float) -> tuple[Plan
     places): move one pack boundary by one candidate boundary, or toggle one pack's optimizer
     placement (search.neighbours, a fixed order); stop at a local optimum or when the budget share
     is spent. Updates ``c``."""
+    reserve = S.timeline_reserve(plan_)
     improved = True
     while improved:
         improved = False
         for seq in search.neighbours(c.tasks, c.seq):
-            if S.budget.left(1.0 - S.timeline_share) <= 0:
+            if S.budget.left() - reserve <= 0:
                 return plan_, t_best
             cand = S.plan_of(c, seq)
             t = S.judge(cand)
