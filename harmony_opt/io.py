@@ -34,6 +34,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), _mode_for(path))    # mkstemp's 0600 would hide results from the group
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
@@ -42,6 +43,16 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
             raise _output_error(path, e) from e
         raise
     return path
+
+
+def _mode_for(path: Path) -> int:
+    """An existing file's permissions, or what ``open()`` would give a new file under the umask."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

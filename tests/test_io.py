@@ -37,6 +37,20 @@ def test_interrupted_write_keeps_the_old_file_and_no_temporary(tmp_path, monkeyp
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
+def test_written_files_get_the_usual_permissions(tmp_path):
+    """A new file is readable as open() would make it under the umask, not mkstemp's 0600;
+    rewriting a file keeps the permissions its owner gave it."""
+    mask = os.umask(0o022)
+    try:
+        new = io.atomic_write_text(tmp_path / "plan.json", "{}")
+        assert new.stat().st_mode & 0o777 == 0o644
+        new.chmod(0o640)
+        io.atomic_write_text(new, "{ }")
+        assert new.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(mask)
+
+
 def test_interrupted_first_write_leaves_no_target(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
