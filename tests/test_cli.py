@@ -64,6 +64,18 @@ def test_bad_input_one_line_exit_2(capsys, argv, fragment):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_compare_prints_why_a_planner_has_no_plan_in_full(capsys):
+    """The table stays narrow; the refusal (how much memory against which cap) is not cut off."""
+    rc = main(["compare", "--profile", "gpt2_medium", "--batch", "4", "--gpus", "1", "--time-limit", "1",
+               "--memory-cap", "2GiB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("zero-offload "))
+    assert row.split()[-4:] == ["no", "plan", "(see", "below)"]
+    assert ("zero-offload: gpt2_medium needs 12.26 GiB (13162675200 bytes) on each GPU with all weights "
+            "(1.61 GiB) resident at microbatch 1, more than the cap of 2.00 GiB (2147483648 bytes)") in out.splitlines()
+
+
 def test_output_path_that_is_a_folder_is_exit_2(capsys, tmp_path):
     rc, out, err = run(capsys, "baseline", "--planner", "l2l", "--profile", "gpt2_medium", "--batch", "8",
                        "--gpus", "2", "-o", str(tmp_path))

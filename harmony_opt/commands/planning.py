@@ -82,9 +82,17 @@ def _describe(plan: Plan) -> str:
             f"{len(plan.packs_fwd)} forward + {len(plan.packs_bwd)} backward packs")
 
 
-def _show(df: pd.DataFrame) -> str:
-    """The table with blanks where a planner has no value (pandas prints <NA> otherwise)."""
-    return df.astype(object).where(df.notna(), "").to_string(index=False)
+def _show(df: pd.DataFrame, width: int = 40) -> str:
+    """The table with blanks where a planner has no value (pandas prints <NA> otherwise); notes
+    longer than ``width`` (why a planner has no plan) are printed in full beneath it, not cut."""
+    df = df.astype(object).where(df.notna(), "")
+    below = []
+    if "note" in df:
+        long = df.note.astype(str).str.len() > width
+        below = [r.note if r.note.startswith(f"{r.planner.split()[0]}:") else f"{r.planner}: {r.note}"
+                 for r in df[long].itertuples()]
+        df.loc[long, "note"] = "no plan (see below)"
+    return "\n".join([df.to_string(index=False), *below])
 
 
 def solver_summary(s: dict) -> list[str]:
@@ -228,7 +236,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
         try:
             p = run()
         except HarmonyOptError as e:
-            rows.append({"planner": name, "iteration_s": float("nan"), "note": str(e).split(";")[0][:90]})
+            rows.append({"planner": name, "iteration_s": float("nan"), "note": str(e).split(";")[0]})
             errors[name] = str(e)
             continue
         tl = simulate(p, profile, hw)
