@@ -36,6 +36,7 @@ from harmony_opt.bundled import load_profile  # noqa: E402
 from harmony_opt.hardware import get_hardware  # noqa: E402
 from harmony_opt.io import atomic_write_text  # noqa: E402
 from harmony_opt.reproduce import machine_description, markdown_table  # noqa: E402
+from harmony_opt.simulator import simulate  # noqa: E402
 from solver_models.planner import PlannerOptions, plan  # noqa: E402
 
 GiB = 2**30
@@ -60,6 +61,9 @@ def run_case(model, batch, mode, gpus, cap, time_limit, workers) -> dict:
                 memory_cap=cap)
     s = ours.solver
     conf = s.get("configuration") or {}
+    # the busiest GPU's compute: what no reordering of the same tasks can remove
+    ours_compute = max(simulate(ours, profile, hw).busy_time("compute").values())
+    harmony_compute = max(simulate(hp, profile, hw).busy_time("compute").values())
     tl = s.get("timeline") or {}
     row = {
         "model": model, "batch": batch, "mode": mode, "gpus": gpus, "cap_bytes": cap,
@@ -75,6 +79,9 @@ def run_case(model, batch, mode, gpus, cap, time_limit, workers) -> dict:
         "ours_search_s": ours.search_time_s,
         "speedup": hp.simulated_iteration_time_s / ours.simulated_iteration_time_s,
         "lower_bound_s": s["lower_bound_s"], "efficiency": s["lower_bound_s"] / ours.simulated_iteration_time_s,
+        "harmony_compute_share": harmony_compute / hp.simulated_iteration_time_s,
+        "ours_compute_s": ours_compute, "ours_compute_share": ours_compute / ours.simulated_iteration_time_s,
+        "speedup_at_ours_compute": hp.simulated_iteration_time_s / ours_compute,
     }
     # Harmony's decision space under Harmony's cost model
     t0 = time.perf_counter()
@@ -101,6 +108,9 @@ def report(df: pd.DataFrame, a) -> str:
     shown = df[["model", "batch", "mode", "gpus", "harmony_time_s", "ours_time_s", "speedup", "ours_config",
                 "ours_objective_s", "fidelity", "config_status", "config_gap", "space_gap", "timeline_gap",
                 "ours_search_s", "efficiency"]]
+    busy = df[["model", "batch", "mode", "gpus", "harmony_time_s", "harmony_compute_share", "ours_time_s",
+               "ours_compute_s", "ours_compute_share", "speedup", "speedup_at_ours_compute"]]
+    slow = df[df.speedup < 1.10]
     hs = df[["model", "batch", "mode", "gpus", "hspace_harmony_published_s", "hspace_harmony_all_s", "hspace_ours_s",
              "hspace_gain_over_published", "hspace_never_slower"]]
     count = lambda col, limit: int((df[col].fillna(float("inf")) <= limit).sum())  # noqa: E731
@@ -115,6 +125,13 @@ def report(df: pd.DataFrame, a) -> str:
         f"|model - simulated| / simulated; `config_*`: what was proven for the chosen configuration (gap to its "
         f"bound); `space_gap`: gap to the bound over every configuration searched; `timeline_gap`: the timeline "
         f"model of the plan's events (docs/planner.md).\n\n{markdown_table(shown)}\n"
+        f"## Where the time goes\n\n"
+        f"`*_compute_share`: the busiest GPU's compute time / the iteration time, in the simulator's timeline; "
+        f"`ours_compute_s`: that compute time for our plan; `speedup_at_ours_compute` = harmony_time_s / "
+        f"ours_compute_s, the speed-up a plan doing our plan's compute with no idle time at all would reach. Where it "
+        f"is below 1.10, a 10 % gain needs less compute than our plan does (larger microbatches than memory allows, or "
+        f"stashed activations instead of recomputed ones), not a better schedule of the same work.\n\n"
+        f"{markdown_table(busy)}\n"
         f"## Harmony's decision space, Harmony's cost model\n\n"
         f"Same mode and GPUs, u_fwd >= u_bwd, sizes dividing the batch, no per-pack options, judged by Harmony's "
         f"simulator; against Harmony's search with its published heuristics and with all of them.\n\n"
@@ -129,7 +146,12 @@ def report(df: pd.DataFrame, a) -> str:
         f"{df.fidelity.max():.4f}).\n"
         f"- Gap <= 2 %: chosen configuration {count('config_gap', 0.02)}/{n}; timeline model "
         f"{count('timeline_gap', 0.02)}/{n}; every configuration searched {count('space_gap', 0.02)}/{n}.\n"
-        f"- Search time <= 10 s: {count('ours_search_s', 10.0)}/{n} (max {df.ours_search_s.max():.1f} s).\n")
+        f"- Search time <= 10 s: {count('ours_search_s', 10.0)}/{n} (max {df.ours_search_s.max():.1f} s).\n"
+        f"- Cases under 1.10: {len(slow)}/{n}; in them our plan's busiest GPU computes "
+        f"{slow.ours_compute_share.min():.1%} to {slow.ours_compute_share.max():.1%} of the iteration, and even with "
+        f"no idle time our plan's compute would give {slow.speedup_at_ours_compute.min():.3f} to "
+        f"{slow.speedup_at_ours_compute.max():.3f} (>= 1.10 in {int((slow.speedup_at_ours_compute >= 1.10).sum())} "
+        f"of them).\n")
 
 
 def main(argv=None):
