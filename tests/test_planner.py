@@ -189,3 +189,19 @@ def test_timeline_model_schedules_the_simulated_events_at_least_as_well():
     assert len(r.starts) == r.events
     tl = p.solver["timeline"]
     assert tl["bound"] - 1e-6 <= tl["objective"] <= p.simulated_iteration_time_s + 1e-6
+
+
+def test_timeline_bound_holds_when_the_search_has_no_time():
+    """Out of budget, CP-SAT may prove nothing; the bound is then the longest precedence chain or the
+    busiest stream: above zero, never above what the simulator achieves, and no weaker than CP-SAT's."""
+    from solver_models.timeline import solve_timeline
+    prof = synthetic_profile(R=10, seed=7)
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+    cap = int(prof.costs("BWD", 4).pack_memory(0, 9) * 0.5)
+    p = plan(prof, hw, 8, PlannerOptions(time_limit=3, hint=False), memory_cap=cap)
+    starved = solve_timeline(p, prof, hw, time_limit=1e-9)
+    full = solve_timeline(p, prof, hw, time_limit=2)
+    tl = simulate(p, prof, hw, memory_cap=cap)
+    busiest = max(tl.busy_time("compute").values())
+    assert busiest - 1e-5 <= starved.bound_s <= starved.simulated_s + 1e-6
+    assert starved.bound_s <= full.makespan_s + 1e-6 and full.bound_s <= full.makespan_s + 1e-6
