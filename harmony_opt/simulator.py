@@ -325,9 +325,11 @@ class _Expansion:
 
     def _run(self, with_timeline: bool) -> Timeline:
         """Play the events. The dispatcher works in rounds: at time ``t`` the events that end at ``t``
-        finish, then the streams are scanned in sorted (rank, stream) order, again and again while
-        an event starts, and each stream whose head event is ready and fits (link slot, memory) starts
-        it; then time moves to the next end. A stream starts at most one event per round (it is busy
+        finish, then the streams whose head event is ready are scanned first come, first served (the
+        head that has been ready longest first, ties in (rank, stream) order), again and again while
+        an event starts, and each head that fits (link slot, memory) starts; then time moves to the
+        next end. So a transfer waiting for the shared link is not overtaken by one that became ready
+        after it on another GPU, as a fixed GPU order would let happen. A stream starts at most one event per round (it is busy
         until that event's end, even for a zero-length one), and within a round the link and memory
         only fill up, so a head that does not fit stays out for the round. The scan is replayed exactly
         but visits only the streams whose head is ready (kept with counters of dependencies not ended
@@ -376,6 +378,7 @@ class _Expansion:
                 on_start[d].append(i)
             wait[i] = len(e.deps) + len(e.start_deps)
         ready = {si for si, q in enumerate(queues) if q and wait[q[0]] == 0}   # idle, head ready
+        since = [0.0] * len(keys)       # when each stream's head became ready: the scan's key
 
         def wake(waiters: list[int]) -> list[int]:
             """Count down the waiters' dependencies; the idle streams whose head is now ready."""
@@ -386,6 +389,7 @@ class _Expansion:
                     sw = stream_of[w]
                     if not busy[sw] and queues[sw][pos[sw]] == w:
                         ready.add(sw)
+                        since[sw] = t
                         woken.append(sw)
             return woken
         finishing: list[tuple[float, int, int]] = []
@@ -395,21 +399,22 @@ class _Expansion:
         heappush, heappop = heapq.heappush, heapq.heappop
         while remaining:
             # -- start what can start at t, in the dispatcher's scan order
-            scan = sorted(ready)            # this pass, in scan order
+            scan = sorted((since[si], si) for si in ready)    # this pass, in scan order
             at = 0
-            late: list[int] = []            # streams ready during this pass, after its current position
-            later: list[int] = []           # streams ready during this pass, before it: the next pass
+            late: list = []                 # streams ready during this pass, after its current position
+            later: list = []                # streams ready during this pass, before it: the next pass
             while True:
                 if late and (at >= len(scan) or late[0] < scan[at]):
-                    si = heappop(late)
+                    cur = heappop(late)
                 elif at < len(scan):
-                    si = scan[at]
+                    cur = scan[at]
                     at += 1
                 elif later:                 # another pass
                     scan, at, later = sorted(later), 0, []
                     continue
                 else:
                     break
+                si = cur[1]
                 eid = queues[si][pos[si]]
                 e = ev[eid]
                 lk = link_of[eid]
@@ -432,10 +437,10 @@ class _Expansion:
                 heappush(finishing, (end, seq, eid))
                 if on_start[eid]:
                     for sw in wake(on_start[eid]):
-                        if sw > si:
-                            heappush(late, sw)
+                        if (t, sw) > cur:
+                            heappush(late, (t, sw))
                         else:
-                            later.append(sw)
+                            later.append((t, sw))
             if not finishing:
                 e = next(ev[queues[si][pos[si]]] for si in range(len(keys)) if pos[si] < qlen[si])
                 raise PlanError(f"simulation deadlocked: {e.kind} of pack {e.pack} microbatch {e.microbatch} on rank "
@@ -460,6 +465,7 @@ class _Expansion:
                     wake(on_end[f])
                 if pos[si] < qlen[si] and not wait[queues[si][pos[si]]]:
                     ready.add(si)
+                    since[si] = t
         iteration = max(e.end for e in ev)
         ranks = self.plan.gpus
         records = []

@@ -187,6 +187,29 @@ def test_timeline_respects_task_graph_streams_and_bytes(case):
     assert quick.meta["bytes"] == tl.bytes_moved()
 
 
+@settings(max_examples=60, deadline=None)
+@given(plans())
+def test_the_shared_link_serves_transfers_first_come_first_served(case):
+    """A transfer that has waited for the host link is not overtaken by one that became ready
+    after it on another GPU (a fixed GPU priority would starve the last GPUs of a vDP plan)."""
+    prof, plan, hw = case
+    sim, _ = expand(plan, prof, hw, 2**40)          # memory never holds a transfer back here
+    ev = sim.events
+    fifo = {b: a for q in sim.streams.values() for a, b in zip(q, q[1:])}
+    ready = [max([0.0, *(ev[d].end for d in e.deps), *(ev[d].start for d in e.start_deps),
+                  *([ev[fifo[k]].end] if k in fifo else [])]) for k, e in enumerate(ev)]
+    by_link = defaultdict(list)
+    for k, e in enumerate(ev):
+        if e.link is not None:
+            by_link[e.link].append(k)
+    eps = 1e-12
+    for ks in by_link.values():
+        for b in ks:
+            overtaken = [a for a in ks if ready[a] < ready[b] - eps and ready[a] <= ev[b].start
+                         and ev[a].start > ev[b].start + eps]
+            assert not overtaken, (ev[b], [ev[a] for a in overtaken])
+
+
 @settings(max_examples=40, deadline=None)
 @given(plans(), st.floats(0.3, 1.0))
 def test_memory_cap_is_never_exceeded(case, frac):
