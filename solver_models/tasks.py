@@ -19,8 +19,10 @@ The quantities follow the default simulator's rules (harmony_opt/simulator.py, d
 
 In vDP the replicas run in lockstep on one shared host link: their simultaneous transfers take
 turns, and since the replicas meet at every backward pack's all-reduce, the one served last sets
-the pace: every host transfer takes N times as long as alone. The link's capacity bounds the sum
-of all replicas' bytes (timing.py).
+the pace: every host transfer takes N times as long as alone, except the way back of an activation's
+round trip through host memory, which the last replica makes alone once the others' are done (the
+simulator serves the link first come, first served). The link's capacity bounds the sum of all
+replicas' bytes (timing.py).
 """
 from __future__ import annotations
 
@@ -225,7 +227,11 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         """Latency of moving one microbatch's activation to the next task (on another GPU if p2p)."""
         if p2p > 0:
             return x_send / p2p
-        return x_send / bw_out + x_recv / bw_in
+        return x_send / bw_out + x_recv / bw_back
+
+    # a round trip through host memory: the replica served last waits for every replica's way out,
+    # but by then the others' ways back are done, so its own way back runs alone
+    bw_back = bw_in * copies
 
     def send(x):
         """Time until the sender is rid of an output: P2P, or its swap-out to host."""
@@ -280,7 +286,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         if kind == C:
             y_src = cf_last.input[s]
             hop = np.where(s == 0, x_in / bw_in,
-                           y_src / bw_out + x_in / bw_in if (rebatch or p2p == 0) else y_src / p2p)
+                           y_src / bw_out + x_in / bw_back if (rebatch or p2p == 0) else y_src / p2p)
         else:
             hop = handoff(x_in, x_in) + hop_extra
         # outputs: dX of the last microbatch to the next backward pack; weight gradients
