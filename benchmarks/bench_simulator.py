@@ -233,9 +233,8 @@ def main() -> int:
         same = not diff
         if r in args.expect_identical and not same:
             failed = True
-        notes.append(f"- against {labels[r]}: results {'identical' if same else 'DIFFERENT'} on "
-                     f"{len(cases) - len(diff)} of {len(cases)} cases"
-                     + ("" if same else "; differing: " + "; ".join(
+        notes.append(f"- against {labels[r]}: results identical on {len(cases) - len(diff)} of {len(cases)} cases"
+                     + ("" if same else f", DIFFERENT on {len(diff)}: " + "; ".join(
                          f"{cases[i]['name']}: {', '.join(d)} (T {runs[r][0]['results'][i]['iteration_time']:.6f} -> "
                          f"{cur[0]['results'][i]['iteration_time']:.6f} s)" for i, d in list(diff.items())[:12])
                         + (f"; and {len(diff) - 12} more" if len(diff) > 12 else "")))
