@@ -399,22 +399,23 @@ class _Expansion:
         heappush, heappop = heapq.heappush, heapq.heappop
         while remaining:
             # -- start what can start at t, in the dispatcher's scan order
-            scan = sorted((since[si], si) for si in ready)    # this pass, in scan order
+            scan = sorted(ready)            # this pass, in scan order: by (since, stream), the sort is stable
+            if len(scan) > 1:
+                scan.sort(key=since.__getitem__)
             at = 0
-            late: list = []                 # streams ready during this pass, after its current position
+            late: list = []                 # (since, stream) ready during this pass, after its current position
             later: list = []                # streams ready during this pass, before it: the next pass
             while True:
-                if late and (at >= len(scan) or late[0] < scan[at]):
-                    cur = heappop(late)
+                if late and (at >= len(scan) or late[0] < (since[scan[at]], scan[at])):
+                    si = heappop(late)[1]
                 elif at < len(scan):
-                    cur = scan[at]
+                    si = scan[at]
                     at += 1
-                elif later:                 # another pass
+                elif later:                 # another pass (all became ready at t: stream order)
                     scan, at, later = sorted(later), 0, []
                     continue
                 else:
                     break
-                si = cur[1]
                 eid = queues[si][pos[si]]
                 e = ev[eid]
                 lk = link_of[eid]
@@ -436,11 +437,12 @@ class _Expansion:
                 seq += 1
                 heappush(finishing, (end, seq, eid))
                 if on_start[eid]:
+                    cur = (since[si], si)
                     for sw in wake(on_start[eid]):
                         if (t, sw) > cur:
                             heappush(late, (t, sw))
                         else:
-                            later.append((t, sw))
+                            later.append(sw)
             if not finishing:
                 e = next(ev[queues[si][pos[si]]] for si in range(len(keys)) if pos[si] < qlen[si])
                 raise PlanError(f"simulation deadlocked: {e.kind} of pack {e.pack} microbatch {e.microbatch} on rank "
