@@ -329,12 +329,13 @@ class _Expansion:
         head that has been ready longest first, ties in (rank, stream) order), again and again while
         an event starts, and each head that fits (link slot, memory) starts; then time moves to the
         next end. So a transfer waiting for the shared link is not overtaken by one that became ready
-        after it on another GPU, as a fixed GPU order would let happen. A stream starts at most one event per round (it is busy
-        until that event's end, even for a zero-length one), and within a round the link and memory
-        only fill up, so a head that does not fit stays out for the round. The scan is replayed exactly
-        but visits only the streams whose head is ready (kept with counters of dependencies not ended
-        or not started): a head made ready by a start in this pass is visited later in the pass if its
-        stream comes after, else in the next pass, as the dispatcher's repeated scans would."""
+        after it on another GPU, as a fixed GPU order would let happen. A stream starts at most one
+        event per round (it is busy until that event's end, even for a zero-length one), and within a
+        round the link and memory only fill up, so a head that does not fit stays out for the round.
+        The scan is replayed exactly but visits only the streams whose head is ready (kept with
+        counters of dependencies not ended or not started): a head made ready by a start in this pass
+        is visited later in the pass if it comes after in the scan order, else in the next pass, as
+        the dispatcher's repeated scans would."""
         ev = self.events
         # collectives: every replica's all-reduce starts together (ring all-reduce is a barrier)
         for group in self.collectives.values():

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
-
 from collections import defaultdict
+from typing import Callable
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -71,13 +70,12 @@ def complete_hint(model: cp_model.CpModel, fixed: dict) -> bool:
     return True
 
 
-def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_limit: float, seed: int, workers: int,
-        rel_gap: float, report=None, label: str = "", variables: int = 0, params: dict | None = None) -> SolveResult:
-    """Solve ``model`` (minimizing) under a deterministic time limit; ``decode(value)`` turns an
-    assignment into a task sequence."""
-    t0 = time.perf_counter()
-    solver = cp_model.CpSolver()
-    p = solver.parameters
+def solver(*, time_limit: float, seed: int, workers: int, rel_gap: float, **params) -> cp_model.CpSolver:
+    """A solver set up the way every model here is solved: a deterministic time limit (same inputs,
+    seed and workers, same answer), interleaved search when there are several workers, and no
+    presolve; ``params``: further solver parameters by name."""
+    s = cp_model.CpSolver()
+    p = s.parameters
     p.max_deterministic_time = float(time_limit)
     p.max_time_in_seconds = 4.0 * float(time_limit) + 5.0     # a guard only; the deterministic limit binds first
     p.num_workers = int(workers)
@@ -87,18 +85,27 @@ def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_lim
     # the models are built tight already; CP-SAT's presolve (probing above all) costs more than it
     # gains on them and can spend the whole limit before the hinted solution is even reported
     p.cp_model_presolve = False
-    for k, v in (params or {}).items():
+    for k, v in params.items():
         setattr(p, k, v)
+    return s
+
+
+def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_limit: float, seed: int, workers: int,
+        rel_gap: float, report=None, label: str = "", variables: int = 0) -> SolveResult:
+    """Solve ``model`` (minimizing) under a deterministic time limit; ``decode(value)`` turns an
+    assignment into a task sequence."""
+    t0 = time.perf_counter()
+    solver_ = solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=rel_gap)
     cb = Progress(report, label, decode)
-    status = solver.solve(model, cb)
-    name = solver.status_name(status)
+    status = solver_.solve(model, cb)
+    name = solver_.status_name(status)
     wall = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        bound = solver.best_objective_bound / TICKS_PER_S if status == cp_model.UNKNOWN else float("inf")
-        return SolveResult(name, None, bound, [], wall, solver.deterministic_time, [], variables)
-    seq = decode(solver.boolean_value)
-    return SolveResult(name, solver.objective_value / TICKS_PER_S, solver.best_objective_bound / TICKS_PER_S, seq,
-                       wall, solver.deterministic_time, [s for s in cb.kept if s != seq], variables)
+        bound = solver_.best_objective_bound / TICKS_PER_S if status == cp_model.UNKNOWN else float("inf")
+        return SolveResult(name, None, bound, [], wall, solver_.deterministic_time, [], variables)
+    seq = decode(solver_.boolean_value)
+    return SolveResult(name, solver_.objective_value / TICKS_PER_S, solver_.best_objective_bound / TICKS_PER_S, seq,
+                       wall, solver_.deterministic_time, [s for s in cb.kept if s != seq], variables)
 
 
 def stash_memory(m: cp_model.CpModel, tasks: Tasks, chosen: dict) -> None:

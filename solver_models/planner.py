@@ -45,7 +45,7 @@ from harmony_opt.simulator import simulate
 from . import chain, dp, pipeline, search
 from .tasks import MAX_LAYERS_WITH_STASH, Config, Tasks, build_tasks, candidate_cuts, forward_costs
 from .timeline import solve_timeline
-from .timing import evaluate, packs_of, sequence_of
+from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
 
 log = logging.getLogger("harmony_opt.plan")
 
@@ -304,8 +304,7 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
     """Step 2: a first solution per configuration in bound order, until the bound reaches the best
     model value (the rest is pruned) or the budget share runs out. Returns (candidates, the least
     bound of the configurations not reached)."""
-    hint_cfg = None if incumbent is None else Config(incumbent.mode, incumbent.gpus, incumbent.microbatch_fwd,
-                                                     incumbent.microbatch_bwd)
+    hint_cfg = None if incumbent is None else Config.of(incumbent)
     found, best_value = [], float("inf")
     for i, cfg in enumerate(configs):
         if bounds[cfg] >= best_value:
@@ -314,14 +313,11 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
         if S.budget.left(0.45) <= 0:
             stats["out_of_budget"] += len(configs) - i
             return found, bounds[cfg]
-        hint, keep = None, ()
-        if cfg == hint_cfg:
-            keep = [a for a, _ in incumbent.packs_fwd] + [a for a, _ in incumbent.packs_bwd]
-        tasks = S.tasks(cfg, keep=keep)
+        hint = None
+        tasks = S.tasks(cfg, keep=pack_starts(incumbent) if cfg == hint_cfg else ())
         if cfg == hint_cfg:
             try:
-                hint = sequence_of(tasks, incumbent.packs_fwd, incumbent.packs_bwd,
-                                   [(o.recompute, o.optimizer == "gpu") for o in incumbent.options])
+                hint = sequence_of_plan(tasks, incumbent)
             except KeyError:
                 pass
         first = _first_solution(tasks, S.profile, hint, S.budget) if len(tasks.table) else None
@@ -518,7 +514,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     bounds = {c: config_bound(profile, hw, batch, c, S.cap, S.stash) for c in configs}
     configs = sorted((c for c in configs if np.isfinite(bounds[c])), key=lambda c: (bounds[c], str(c)))
     if incumbent is not None:
-        hint_cfg = Config(incumbent.mode, incumbent.gpus, incumbent.microbatch_fwd, incumbent.microbatch_bwd)
+        hint_cfg = Config.of(incumbent)
         if hint_cfg in configs:
             configs.remove(hint_cfg)
             configs.insert(0, hint_cfg)
@@ -569,12 +565,11 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
 
 def _model_value_of(p: Plan, profile, hw, batch, cap) -> float | None:
     """The model's iteration time of a given plan (None if one of its packs is not a candidate)."""
-    cfg = Config(p.mode, p.gpus, p.microbatch_fwd, p.microbatch_bwd)
-    keep = [a for a, _ in p.packs_fwd] + [a for a, _ in p.packs_bwd]
+    cfg = Config.of(p)
     try:        # a plan without forward packs may name a forward size that is not profiled
         tasks = build_tasks(profile, hw, batch, cfg, cap, gpu_opt=True, stash=False,
-                            cuts=candidate_cuts(profile, cfg.u_bwd, keep=keep))
-        seq = sequence_of(tasks, p.packs_fwd, p.packs_bwd, [(o.recompute, o.optimizer == "gpu") for o in p.options])
+                            cuts=candidate_cuts(profile, cfg.u_bwd, keep=pack_starts(p)))
+        seq = sequence_of_plan(tasks, p)
     except (KeyError, HarmonyOptError):
         return None
     v = evaluate(tasks, seq)

@@ -59,6 +59,11 @@ class Config:
     def __str__(self):
         return f"{self.mode} x{self.gpus} u_fwd={self.u_fwd} u_bwd={self.u_bwd}"
 
+    @classmethod
+    def of(cls, plan) -> "Config":
+        """The configuration a plan is in."""
+        return cls(plan.mode, plan.gpus, plan.microbatch_fwd, plan.microbatch_bwd)
+
     @property
     def ranks(self) -> int:
         """GPUs one copy of the task chain is dealt over: N in vPP, 1 in vDP (each GPU runs it all)."""
@@ -214,6 +219,9 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     chain = cfg.ranks == 1
     copies = n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1
     bw_in, bw_out = hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies     # see the module docstring
+    # a round trip through host memory: the replica served last waits for every replica's way out,
+    # but by then the others' ways back are done, so its own way back runs alone
+    bw_back = bw_in * copies
     p2p = hw.p2p_bandwidth if (not chain and hw.p2p_bandwidth > 0) else 0.0
     replicas = n if cfg.mode == "vDP" and n > 1 and hw.p2p_bandwidth > 0 else 1
     cf, cb = profile.costs("FWD", cfg.u_fwd), profile.costs("BWD", cfg.u_bwd)
@@ -228,10 +236,6 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         if p2p > 0:
             return x_send / p2p
         return x_send / bw_out + x_recv / bw_back
-
-    # a round trip through host memory: the replica served last waits for every replica's way out,
-    # but by then the others' ways back are done, so its own way back runs alone
-    bw_back = bw_in * copies
 
     def send(x):
         """Time until the sender is rid of an output: P2P, or its swap-out to host."""

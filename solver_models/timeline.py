@@ -26,6 +26,7 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
+from graphlib import TopologicalSorter
 
 from ortools.sat.python import cp_model
 
@@ -33,6 +34,8 @@ from harmony_opt.hardware import Hardware
 from harmony_opt.plan import Plan
 from harmony_opt.profile import Profile
 from harmony_opt.simulator import _Expansion, check_memory
+
+from . import cpsat
 
 SCALE = 1e6   # seconds -> integer microseconds (the timeline model keeps event times exact to 1 us)
 
@@ -113,16 +116,9 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     m.add_max_equality(T, end)
     m.add_hint(T, max(ticks(e.start) + ticks(e.duration) for e in ev))
     m.minimize(T)
-    solver = cp_model.CpSolver()
-    p = solver.parameters
-    p.max_deterministic_time = float(time_limit)
-    p.max_time_in_seconds = 4.0 * float(time_limit) + 5.0
-    p.num_workers = int(workers)
-    p.interleave_search = int(workers) > 1
-    p.random_seed = int(seed)
-    p.linearization_level = 0           # precedences and cumulative propagation give the bound; the LP only costs time
-    p.relative_gap_limit = 1e-3         # closing the last 0.1 % can take seconds of wall time
-    p.cp_model_presolve = False         # the model is small and tight; presolve's probing costs more than it saves
+    # precedences and cumulative propagation give the bound, the LP only costs time; closing the
+    # last 0.1 % can take seconds of wall time
+    solver = cpsat.solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=1e-3, linearization_level=0)
     status = solver.solve(m)
     name = solver.status_name(status)
     wall = time.perf_counter() - t0
@@ -141,7 +137,6 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
 def _floor_ticks(ev, queues, ticks) -> int:
     """The makespan no schedule of ``ev`` beats: the longest path through the model's precedences
     (dependencies, prefetch start links, each stream's order), or the busiest stream's total."""
-    from graphlib import TopologicalSorter
     fifo = {b: a for q in queues.values() for a, b in zip(q, q[1:])}     # b starts after a ends
     dur = [ticks(e.duration) for e in ev]
     graph = {k: {*e.deps, *e.start_deps, *([fifo[k]] if k in fifo else [])} for k, e in enumerate(ev)}

@@ -46,6 +46,17 @@ def sequence_of(tasks: Tasks, packs_fwd, packs_bwd, options) -> list[int]:
     return seq
 
 
+def sequence_of_plan(tasks: Tasks, plan) -> list[int]:
+    """:func:`sequence_of` a Plan's packs and per-pack options."""
+    return sequence_of(tasks, plan.packs_fwd, plan.packs_bwd,
+                       [(o.recompute, o.optimizer == "gpu") for o in plan.options])
+
+
+def pack_starts(plan) -> list[int]:
+    """The first layer of every pack of a Plan: the cuts its packs need among the candidates."""
+    return [a for a, _ in plan.packs_fwd] + [a for a, _ in plan.packs_bwd]
+
+
 def packs_of(tasks: Tasks, seq: list[int]) -> tuple[list, list, list]:
     """(forward packs, backward packs, backward options as (recompute, gpu optimizer)) of a sequence."""
     t = tasks.table
