@@ -1,7 +1,7 @@
 """Starting points for the CP-SAT models: balanced packings and a local search on the model.
 
 The vPP pipeline model (pipeline.py) has a weak LP relaxation, so CP-SAT needs a good
-first solution. The recurrence it encodes is cheap to evaluate (``pipeline.evaluate``,
+first solution. The recurrence it encodes is cheap to evaluate (``timing.evaluate``,
 microseconds), so a few thousand steps of local search find one: starting from packs
 balanced by compute time (and from the hint, e.g. Harmony's plan), move one pack boundary,
 split a pack or merge two, and keep the change when the model says the iteration is no
@@ -45,7 +45,7 @@ def balanced(tasks: Tasks, profile, n_fwd: int, n_bwd: int, s: int) -> list[int]
     def split(phase, u, k):
         if s <= 0 or k <= 1:
             return []
-        t = profile.costs(phase, u)._pt[: s + 1]        # prefix sums of the layer times
+        t = profile.costs(phase, u).pack_time(0, np.arange(-1, s))     # prefix sums of the layer times
         pos = np.clip(np.searchsorted(t, t[-1] * np.arange(1, k) / k), 1, s - 1)
         snapped = cuts[np.clip(np.searchsorted(cuts, pos), 0, len(cuts) - 1)]
         return sorted({int(c) for c in snapped if 0 < c < s})
@@ -86,8 +86,8 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
 def _parts(tasks: Tasks, seq: list[int]):
     """(forward cuts, backward cuts, criterion start, options by pack) of a sequence."""
     t = tasks.table
-    fwd = [int(t.start[k]) for k in seq if t.kind[k] == 0][1:]
-    bks = [k for k in seq if t.kind[k] != 0]
+    fwd = [int(t.start[k]) for k in seq if t.kind[k] == F][1:]
+    bks = [k for k in seq if t.kind[k] != F]
     bwd = sorted(int(t.start[k]) for k in bks[1:])
     opts = {(int(t.start[k]), int(t.end[k])): (bool(t.recompute[k]), bool(t.gpu_opt[k])) for k in bks}
     return fwd, bwd, int(t.start[bks[0]]), opts
