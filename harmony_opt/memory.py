@@ -42,7 +42,8 @@ def check_layers_fit(profile: Profile, phase: str, u: int, cap: int, reserve: in
         raise InfeasibleError(
             f"layer {l} of {profile.name} alone needs {fmt_bytes(single[l])} ({single[l]} bytes) for its {what} "
             f"at microbatch {u}, more than the memory cap of {fmt_bytes(cap)} ({cap} bytes); "
-            f"use a smaller microbatch or a larger --memory-cap",
+            + ("use a smaller microbatch or a larger --memory-cap" if u > profile.size_range(phase)[0] else
+               "no smaller microbatch is profiled, so use a larger --memory-cap"),
             layer=l, microbatch=u, needed_bytes=int(single[l]), cap_bytes=int(cap))
 
 

@@ -149,6 +149,8 @@ def test_infeasible_request_is_explained():
     msg = str(e.value)
     assert "layer" in msg and "microbatch 1" in msg and "1048576 bytes" in msg
     assert e.value.layer is not None and e.value.needed_bytes > e.value.cap_bytes
+    # at the smallest profiled size the only way out is more memory: the advice says so
+    assert "no smaller microbatch is profiled, so use a larger --memory-cap" in msg
 
 
 def _stash_friendly(R=8):
