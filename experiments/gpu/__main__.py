@@ -1,0 +1,320 @@
+"""On a real GPU: probe it, profile three models, plan, train with every method, compare.
+
+::
+
+    python -m experiments.gpu                      # everything, on the GPU (resumes: done steps are kept)
+    python -m experiments.gpu --stages probe,profile
+    python -m experiments.gpu --quick --device cpu --root /tmp/x   # the same logic on tiny models (tests)
+
+Stages, each skipped when its output exists (so one call can finish what an earlier one
+started):
+
+1. ``probe``: ``harmony-opt probe``'s measurement -> ``profiles/hardware/<gpu>.toml``.
+2. ``profile``: GPT-2 medium, GPT-2 XL and VGG-416 at several microbatch sizes ->
+   ``profiles/<gpu>/<model>/``.
+3. ``plan``: for every model and memory cap (11 GB, 24 GB) the smallest minibatch whose
+   plain-PyTorch training footprint (weights, gradients, optimizer state, activations) is at
+   least 4x the cap; there: our CP-SAT plan, Harmony's search, naive-swap, each simulated,
+   and the lower bound.
+4. ``train``: every plan through the executor, PyTorch's FSDP CPU offload and DeepSpeed
+   ZeRO-Offload (when importable), each alone in a process with the CUDA allocator capped:
+   samples/s over ``--steps`` steps after ``--warmup``, peak memory, bytes moved.
+5. ``correct``: weights after 10 steps through the executor vs plain PyTorch on the GPU,
+   TF32 off.
+6. ``report``: ``experiments/results/gpu_runs.csv``, ``gpu_correctness.csv``,
+   ``gpu_samples_per_s.png`` and ``gpu_summary.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harmony_opt.io import atomic_write_json
+
+GB = 10 ** 9
+METHODS = ("ours", "harmony", "naive-swap", "torch-offload", "deepspeed")
+PLAN_METHODS = ("ours", "harmony", "naive-swap")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    model: str
+    sizes: tuple[int, ...]          # microbatch sizes to profile
+    batches: tuple[int, ...]        # minibatch candidates: the smallest with footprint >= 4x cap is trained
+    overrides: tuple = ()           # model spec overrides, as (key, value) pairs
+
+    @property
+    def tag(self) -> str:
+        return self.model.replace("-", "_")
+
+
+FULL = (Workload("gpt2-medium", (1, 2, 4, 8), (8, 16, 32)),
+        Workload("gpt2-xl", (1, 2, 4), (2, 4, 8)),
+        Workload("vgg416", (1, 2, 4, 8, 16), (16, 32)))
+QUICK = (Workload("gpt2-tiny", (1, 2, 4), (8, 16)),
+         Workload("vgg-tiny", (1, 2, 4), (8, 16)))
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+class Paths:
+    def __init__(self, root: Path, gpu: str):
+        self.root = root
+        self.hardware = root / "profiles" / "hardware" / f"{gpu}.toml"
+        self.profiles = root / "profiles" / gpu
+        self.results = root / "experiments" / "results"
+        self.raw = self.results / "gpu"
+
+    def profile(self, w: Workload) -> Path:
+        return self.profiles / w.tag
+
+    def case(self, w: Workload, cap: int) -> Path:
+        return self.raw / f"{w.tag}_cap{cap / GB:g}GB"
+
+
+# -- stages ----------------------------------------------------------------------------------------
+
+def stage_probe(P: Paths, device: str) -> None:
+    from harmony_opt.probe import probe_hardware
+
+    if P.hardware.exists():
+        return log(f"probe: {P.hardware} exists")
+    hw = probe_hardware(device)
+    P.hardware.parent.mkdir(parents=True, exist_ok=True)
+    hw.save(P.hardware)
+    log(f"probe: {hw.name}: h2d {hw.h2d_bandwidth / 1e9:.1f} GB/s, d2h {hw.d2h_bandwidth / 1e9:.1f} GB/s -> {P.hardware}")
+
+
+def stage_profile(P: Paths, device: str, workloads, repeats: int) -> None:
+    from harmony_opt.models import build_model
+    from harmony_opt.profiler import profile_model
+
+    for w in workloads:
+        out = P.profile(w)
+        if (out / "layers.csv").exists():
+            log(f"profile: {out} exists")
+            continue
+        t0 = time.perf_counter()
+        model = build_model(w.model, **dict(w.overrides))
+        prof = profile_model(model, list(w.sizes), device, repeats=repeats, warmup=1, progress=False)
+        prof.save(out)
+        log(f"profile: {w.model} at u={list(prof.sizes('FWD'))} in {time.perf_counter() - t0:.0f} s -> {out}")
+
+
+def footprint(profile, batch: int) -> int:
+    """Bytes plain PyTorch training keeps on one device: W, dW, optimizer state, buffers, and every
+    saved activation of the whole minibatch (the profile's largest microbatch, scaled)."""
+    R = profile.num_layers
+    u = int(profile.sizes("BWD")[-1])
+    saved = profile.costs("BWD", u).pack_saved(0, R - 1) * batch / u
+    return int(2 * profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1) + profile.optimizer_bytes(0, R - 1)
+               + saved)
+
+
+def cases(P: Paths, workloads, caps):
+    """(workload, cap, batch or None, footprint at that batch) for every model and cap."""
+    from harmony_opt.profile import Profile
+
+    for w in workloads:
+        prof = Profile.load(P.profile(w))
+        for cap in caps:
+            fits = [b for b in w.batches if footprint(prof, b) >= 4 * cap]
+            batch = fits[0] if fits else None
+            yield w, cap, batch, footprint(prof, batch or w.batches[-1]), prof
+
+
+def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
+    from harmony_opt.baselines import plan_harmony, plan_naive_swap
+    from harmony_opt.bound import lower_bound
+    from harmony_opt.hardware import get_hardware
+    from harmony_opt.simulator import simulate
+    from solver_models.planner import PlannerOptions, plan
+
+    for w, cap, batch, foot, prof in cases(P, workloads, caps):
+        d = P.case(w, cap)
+        if (d / "case.json").exists():
+            log(f"plan: {d} exists")
+            continue
+        d.mkdir(parents=True, exist_ok=True)
+        info = {"model": w.model, "overrides": dict(w.overrides), "cap": cap, "batch": batch, "footprint": foot,
+                "plans": {}}
+        if batch is None:
+            info["skipped"] = (f"footprint {foot / GB:.1f} GB at the largest minibatch tried ({w.batches[-1]}) is "
+                               f"under 4x the cap")
+        else:
+            hw = get_hardware(P.hardware, memory_cap=cap)
+            info["lower_bound_s"] = lower_bound(prof, hw, batch, cap)["bound_s"]
+            makers = {"ours": lambda: plan(prof, hw, batch, PlannerOptions(time_limit=time_limit), memory_cap=cap),
+                      "harmony": lambda: plan_harmony(prof, hw, batch, cap, mode="vPP", gpus=1),
+                      "naive-swap": lambda: plan_naive_swap(prof, hw, batch, cap, gpus=1)}
+            for method, make in makers.items():
+                t0 = time.perf_counter()
+                try:
+                    p = make()
+                except Exception as e:   # noqa: BLE001 - an infeasible or failed planner is a row of the table
+                    info["plans"][method] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                    continue
+                tl = simulate(p, prof, hw, memory_cap=cap)
+                p.save(d / f"{method}.plan.json")
+                moved = tl.bytes_moved()
+                info["plans"][method] = {"simulated_s": tl.iteration_time, "search_s": time.perf_counter() - t0,
+                                         "sim_h2d": moved["h2d"], "sim_d2h": moved["d2h"],
+                                         "sim_peak": max(tl.peak_memory().values()),
+                                         "u_fwd": p.microbatch_fwd, "u_bwd": p.microbatch_bwd,
+                                         "packs_fwd": len(p.packs_fwd), "packs_bwd": len(p.packs_bwd)}
+            log(f"plan: {w.model} cap {cap / GB:.0f} GB, D={batch} (footprint {foot / GB:.1f} GB): " + ", ".join(
+                f"{m} {v['simulated_s']:.3f} s" if "simulated_s" in v else f"{m} failed"
+                for m, v in info["plans"].items()))
+        atomic_write_json((d / "case.json"), info)
+
+
+def _trial(job: dict, out: Path, timeout: float) -> dict:
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    try:
+        subprocess.run([sys.executable, "-m", "experiments.gpu.trial", json.dumps(job), str(out)], env=env,
+                       timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        atomic_write_json(out, {"ok": False, "error": f"timed out after {timeout:.0f} s"})
+    if not out.exists():
+        atomic_write_json(out, {"ok": False, "error": "the run's process died without a result"})
+    return json.loads(out.read_text())
+
+
+def _deepspeed_available() -> str | None:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:   # noqa: BLE001 - any import failure means "not available", said in the table
+        return f"DeepSpeed not importable: {type(e).__name__}: {e}"[:300]
+    return None
+
+
+def stage_train(P: Paths, workloads, caps, device: str, steps: int, warmup: int, run_budget: float,
+                methods) -> None:
+    ds_missing = _deepspeed_available() if "deepspeed" in methods else None
+    if device == "cuda":
+        import torch
+        atomic_write_json(P.raw / "device.json", {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                                  "cuda": torch.version.cuda})
+    todo = [(c, m) for m in methods if m in PLAN_METHODS for c in cases(P, workloads, caps)]
+    todo += [(c, m) for m in methods if m not in PLAN_METHODS for c in cases(P, workloads, caps)]  # slow ones last
+    for (w, cap, batch, _, _), method in todo:
+        d = P.case(w, cap)
+        info = json.loads((d / "case.json").read_text())
+        if batch is None:
+            continue
+        ours = info["plans"].get("ours", {})
+        out = d / f"{method}.run.json"
+        if out.exists():
+            continue
+        if method == "deepspeed" and (ds_missing or device != "cuda"):
+            atomic_write_json(out, {"ok": False, "error": ds_missing or "DeepSpeed needs CUDA"})
+            continue
+        est = info["plans"].get(method, ours).get("simulated_s")
+        if method in PLAN_METHODS and est is None:
+            atomic_write_json(out, {"ok": False, "error": "no plan: " + info["plans"][method]["error"]})
+            continue
+        # plan methods: as many steps as the budget allows at the simulated speed; the others stop
+        # by themselves once their measured steps took the budget
+        n = min(steps, max(3, int(run_budget / est) - warmup)) if method in PLAN_METHODS else steps
+        job = {"method": method, "model": w.model, "overrides": dict(w.overrides), "batch": batch, "cap": cap,
+               "warmup": warmup, "steps": n, "device": device,
+               "plan": str(d / f"{method}.plan.json"), "microbatch": ours.get("u_bwd", 1), "budget_s": run_budget}
+        t0 = time.perf_counter()
+        res = _trial(job, out, timeout=max(120.0, 6 * run_budget))
+        res["wall_s"] = time.perf_counter() - t0
+        res["job"] = job
+        atomic_write_json(out, res)
+        log(f"train: {w.model} cap {cap / GB:.0f} GB {method}: " + (
+            f"{res['samples_per_s']:.2f} samples/s, step {res['step_s_mean']:.3f} s over {res['steps_measured']}"
+            f" steps, peak {res['peak_allocated'] or 0:.3g} B" if res.get("ok") else f"FAILED {res['error']}"))
+
+
+def stage_correct(P: Paths, device: str, quick: bool) -> None:
+    from .correctness import check_all
+
+    out = P.raw / "correctness.json"
+    if out.exists():
+        return log(f"correct: {out} exists")
+    rows = check_all(device, quick)
+    P.raw.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, rows)
+    for r in rows:
+        log(f"correct: {r['case']}: max relative weight error {r['max_rel_error']:.2e}")
+
+
+def stage_report(P: Paths, workloads, caps, device_name: str) -> None:
+    from .report import write_report
+
+    write_report(P, workloads, caps, device_name)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", default="probe,profile,plan,train,correct,report")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--quick", action="store_true", help="tiny models and caps: the logic, in seconds (tests)")
+    ap.add_argument("--root", default=".", help="where profiles/ and experiments/results/ are (default: here)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--run-budget", type=float, default=60.0,
+                    help="seconds of measured steps per run at the simulated speed; fewer steps when over")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT planner's limit per case")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--models", default=None, help="comma list of models to keep (default all)")
+    ap.add_argument("--gpu", default=None,
+                    help="name of the GPU's profiles and hardware file (default: h100/h200 from the device); "
+                         "e.g. --device cpu --gpu h100 --stages plan plans from a GPU's measurements on a CPU")
+    ap.add_argument("--caps", default=None, help="comma list of caps in GB (default 11,24)")
+    args = ap.parse_args(argv)
+    # a time limit's SIGTERM unwinds like Ctrl-C: the run in flight is killed, finished results stay
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("python -m experiments.gpu: no CUDA GPU here; use --device cpu (with --quick) to run the logic",
+              file=sys.stderr)
+        return 2
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    gpu = "h100" if "H100" in device_name else "h200" if "H200" in device_name else (
+        "cpu" if args.device == "cpu" else device_name.split()[-1].lower())
+    workloads = QUICK if args.quick else FULL
+    if args.models:
+        keep = set(args.models.split(","))
+        workloads = tuple(w for w in workloads if w.model in keep)
+    caps = ([int(float(c) * GB) for c in args.caps.split(",")] if args.caps
+            else [int(0.001 * GB), int(0.002 * GB)] if args.quick else [11 * GB, 24 * GB])
+    P = Paths(Path(args.root).resolve(), args.gpu or gpu)
+    stages = args.stages.split(",")
+    log(f"device {device_name}; stages {stages}; root {P.root}")
+    if "probe" in stages:
+        stage_probe(P, args.device)
+    if "profile" in stages:
+        stage_profile(P, args.device, workloads, repeats=2 if args.quick else 3)
+    if "plan" in stages:
+        stage_plan(P, workloads, caps, 2.0 if args.quick else args.time_limit)
+    if "train" in stages:
+        stage_train(P, workloads, caps, args.device, args.steps, args.warmup, args.run_budget,
+                    [m for m in args.methods.split(",") if m])
+    if "correct" in stages:
+        stage_correct(P, args.device, args.quick)
+    if "report" in stages:
+        recorded = P.raw / "device.json"     # the GPU the runs were measured on, when reported elsewhere
+    stage_report(P, workloads, caps, json.loads(recorded.read_text())["device"] if recorded.exists() and
+                 args.device == "cpu" else device_name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

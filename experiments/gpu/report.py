@@ -1,0 +1,111 @@
+"""Tables and the figure of the GPU experiment, from the raw JSON of experiments/results/gpu/."""
+from __future__ import annotations
+
+import datetime
+import json
+
+import io
+
+import pandas as pd
+
+from harmony_opt.io import atomic_write_bytes, atomic_write_text
+from harmony_opt.reproduce import markdown_table
+
+GB = 10 ** 9
+PLAN_METHODS = ("ours", "harmony", "naive-swap")
+
+
+def runs_table(P, workloads, caps, device_name: str) -> pd.DataFrame:
+    rows = []
+    for w in workloads:
+        for cap in caps:
+            d = P.case(w, cap)
+            if not (d / "case.json").exists():
+                continue
+            info = json.loads((d / "case.json").read_text())
+            base = {"device": device_name, "model": w.model, "cap_GB": cap / GB, "batch": info["batch"],
+                    "footprint_GB": info["footprint"] / GB, "lower_bound_s": info.get("lower_bound_s")}
+            if info.get("skipped"):
+                rows.append({**base, "method": "-", "status": info["skipped"]})
+                continue
+            for method in ("ours", "harmony", "naive-swap", "torch-offload", "deepspeed"):
+                f = d / f"{method}.run.json"
+                plan = info["plans"].get(method, {})
+                if not f.exists():
+                    continue
+                r = json.loads(f.read_text())
+                row = {**base, "method": method, "status": "ok" if r.get("ok") else r.get("error", "failed"),
+                       "simulated_s": plan.get("simulated_s"), "u_fwd": plan.get("u_fwd"),
+                       "u_bwd": plan.get("u_bwd"), "packs_bwd": plan.get("packs_bwd")}
+                if r.get("ok"):
+                    row.update(measured_s=r["step_s_mean"], measured_median_s=r["step_s_median"],
+                               samples_per_s=r["samples_per_s"], steps=r["steps_measured"],
+                               peak_allocated_GB=(r["peak_allocated"] or 0) / GB,
+                               peak_reserved_GB=(r["peak_reserved"] or 0) / GB,
+                               moved_h2d_GB=r["bytes_h2d_per_step"] / GB, moved_d2h_GB=r["bytes_d2h_per_step"] / GB,
+                               loss_first=r["loss_first"], loss_last=r["loss_last"])
+                    if plan.get("simulated_s"):
+                        row["measured_over_simulated"] = r["step_s_mean"] / plan["simulated_s"]
+                        row["sim_h2d_GB"] = plan["sim_h2d"] / GB
+                        row["sim_d2h_GB"] = plan["sim_d2h"] / GB
+                    if info.get("lower_bound_s"):
+                        row["measured_over_bound"] = r["step_s_mean"] / info["lower_bound_s"]
+                rows.append(row)
+    df = pd.DataFrame(rows)
+    if not df.empty and "samples_per_s" in df:
+        ours = df[df.method == "ours"].set_index(["model", "cap_GB"])["samples_per_s"]
+        df["ours_speedup"] = [ours.get((m, c)) / s if s and ours.get((m, c)) else None
+                              for m, c, s in zip(df.model, df.cap_GB, df["samples_per_s"])]
+    return df
+
+
+def plot(df: pd.DataFrame, path, device_name: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = df[df.status == "ok"]
+    groups = list(dict.fromkeys(zip(ok.model, ok.cap_GB)))
+    methods = [m for m in ("ours", "harmony", "naive-swap", "torch-offload", "deepspeed") if m in set(ok.method)]
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
+    width = 0.8 / max(len(methods), 1)
+    for k, m in enumerate(methods):
+        vals = [ok[(ok.model == g[0]) & (ok.cap_GB == g[1]) & (ok.method == m)]["samples_per_s"] for g in groups]
+        xs = [i + k * width for i in range(len(groups))]
+        bars = ax.bar(xs, [float(v.iloc[0]) if len(v) else 0 for v in vals], width, label=m)
+        ax.bar_label(bars, labels=[f"{float(v.iloc[0]):.3g}" if len(v) else "" for v in vals], fontsize=7)
+    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{m}\ncap {c:g} GB, D={int(ok[(ok.model == m) & (ok.cap_GB == c)].batch.iloc[0])}"
+                        for m, c in groups])
+    ax.set_ylabel("samples/s (higher is better)")
+    ax.set_title(f"Training larger than the GPU memory cap on {device_name}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    atomic_write_bytes(path, buf.getvalue())
+    plt.close(fig)
+
+
+def write_report(P, workloads, caps, device_name: str) -> None:
+    P.results.mkdir(parents=True, exist_ok=True)
+    df = runs_table(P, workloads, caps, device_name)
+    atomic_write_text(P.results / "gpu_runs.csv", df.to_csv(index=False, float_format="%.6g"))
+    corr = P.raw / "correctness.json"
+    if corr.exists():
+        atomic_write_text(P.results / "gpu_correctness.csv",
+                          pd.DataFrame(json.loads(corr.read_text())).to_csv(index=False, float_format="%.3g"))
+    if not df.empty and (df.status == "ok").any():
+        plot(df, P.results / "gpu_samples_per_s.png", device_name)
+    lines = [f"# GPU experiment on {device_name} ({datetime.date.today().isoformat()})", "",
+             "`python -m experiments.gpu` (experiments/gpu/); raw results in experiments/results/gpu/.", ""]
+    if not df.empty:
+        cols = [c for c in ("model", "cap_GB", "batch", "footprint_GB", "method", "status", "samples_per_s",
+                            "ours_speedup", "measured_s", "simulated_s", "measured_over_simulated",
+                            "measured_over_bound", "peak_allocated_GB", "moved_h2d_GB", "moved_d2h_GB", "steps")
+                if c in df]
+        lines += [markdown_table(df[cols], floatfmt=".3g"), ""]
+    if corr.exists():
+        lines += ["Correctness (weights after 10 steps, executor vs plain PyTorch, TF32 off):", "",
+                  markdown_table(pd.DataFrame(json.loads(corr.read_text())), floatfmt=".2e"), ""]
+    atomic_write_text(P.results / "gpu_summary.md", "\n".join(lines))

@@ -1,0 +1,91 @@
+"""One training run, alone in its process, so that its memory cap and peak are its own.
+
+::
+
+    python -m experiments.gpu.trial '{"method": "ours", "model": "gpt2-xl", "plan": "p.json", ...}' out.json
+
+The job is a JSON object: ``method`` (a plan method, or ``torch-offload`` / ``deepspeed``),
+``model``, ``overrides``, ``batch``, ``cap`` (bytes; the CUDA allocator is limited to it
+with ``torch.cuda.set_per_process_memory_fraction``), ``plan`` (plan methods),
+``microbatch`` and ``budget_s`` (the others: fewer steps once the measured ones took
+``budget_s``), ``warmup``, ``steps``, ``device``. The result JSON holds the
+median and mean step time over the measured steps, samples/s, the allocator's peak, bytes
+moved per step, the first and last loss, or the error that stopped the run.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+import traceback
+
+from harmony_opt.io import atomic_write_json
+
+
+def run(job: dict) -> dict:
+    import torch
+
+    from harmony_opt.models import build_model
+    from harmony_opt.training import batch_seed
+
+    device = torch.device(job["device"])
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(job.get("tf32", False))
+        torch.backends.cudnn.allow_tf32 = bool(job.get("tf32", False))
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, job["cap"] / total))
+    t0 = time.perf_counter()
+    model = build_model(job["model"], **job.get("overrides", {}))
+    optimizer = model.meta.get("optimizer", "adam")
+    lr = 1e-4 if optimizer == "adam" else 1e-3
+    n = job["warmup"] + job["steps"]
+    out = {"build_s": time.perf_counter() - t0}
+    if job["method"] in ("torch-offload", "deepspeed"):
+        from .native import train_deepspeed, train_torch_offload
+
+        batches = [model.make_batch(job["batch"], torch.Generator().manual_seed(batch_seed(0, s))) for s in range(n)]
+        if device.type == "cuda":
+            batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+        fn = train_torch_offload if job["method"] == "torch-offload" else train_deepspeed
+        res = fn(model, batches, job["microbatch"], device, optimizer, lr, warmup=job["warmup"],
+                 budget_s=job.get("budget_s", float("inf")))
+        times, losses = res["times"], res["losses"]
+        h2d, d2h = res["bytes_h2d"] / len(times), res["bytes_d2h"] / len(times)
+    else:
+        from harmony_opt.plan import Plan
+        from harmony_opt.training import train
+
+        plan = Plan.load(job["plan"])
+        # the CUDA allocator enforces the cap; the executor's guard (live tensors against the plan's
+        # model of memory) is off here so that a run shows what the real allocator needed
+        res = train(model, plan, steps=n, device=device.type, memory_cap=2 ** 62, progress=False,
+                    optimizer=optimizer, lr=lr)
+        out["live_tensor_peak"] = res.peak_device_bytes[0]
+        times, losses = res.iteration_times, res.losses
+        h2d = res.bytes_moved[0]["h2d"] / n
+        d2h = res.bytes_moved[0]["d2h"] / n
+    measured = times[job["warmup"]:]
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else None
+    out.update(step_s_median=statistics.median(measured), step_s_mean=statistics.fmean(measured),
+               step_s_min=min(measured), step_s_max=max(measured), steps_measured=len(measured),
+               samples_per_s=job["batch"] / statistics.fmean(measured), peak_allocated=peak, peak_reserved=reserved,
+               bytes_h2d_per_step=h2d, bytes_d2h_per_step=d2h, loss_first=losses[0], loss_last=losses[-1],
+               warmup_s=sum(times[:job["warmup"]]))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    job, path = json.loads(argv[0]), argv[1]
+    try:
+        result = {"ok": True, **run(job)}
+    except Exception as e:   # noqa: BLE001 - the parent records any failure of the run as its result
+        result = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500],
+                  "traceback": traceback.format_exc()[-3000:]}
+    atomic_write_json(path, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,34 @@
+"""The GPU experiment's logic (experiments/gpu/), run on the CPU with tiny models and caps."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from experiments.gpu.__main__ import main
+
+
+@pytest.mark.slow
+def test_quick_experiment_writes_every_table_and_the_figure(tmp_path):
+    args = ["--quick", "--device", "cpu", "--root", str(tmp_path), "--models", "gpt2-tiny,vgg-tiny",
+            "--caps", "0.002", "--methods", "ours,naive-swap,torch-offload,deepspeed", "--steps", "2",
+            "--warmup", "1"]
+    assert main(args) == 0
+    res = tmp_path / "experiments" / "results"
+    runs = pd.read_csv(res / "gpu_runs.csv")
+    # the trained cases are those whose footprint is at least 4x the cap; vgg-tiny's is not
+    assert set(runs.model) == {"gpt2-tiny", "vgg-tiny"}
+    assert (runs[runs.model == "vgg-tiny"].method == "-").all()
+    gpt = runs[runs.model == "gpt2-tiny"].set_index("method")
+    assert (gpt.footprint_GB >= 4 * 0.002).all()
+    for m in ("ours", "naive-swap", "torch-offload"):
+        assert gpt.loc[m, "status"] == "ok" and gpt.loc[m, "samples_per_s"] > 0 and gpt.loc[m, "steps"] == 2
+    for m in ("ours", "naive-swap"):      # plans: simulated and measured side by side, bytes counted
+        assert gpt.loc[m, "measured_over_simulated"] > 0 and gpt.loc[m, "moved_h2d_GB"] > 0
+    assert "CUDA" in gpt.loc["deepspeed", "status"] or "DeepSpeed" in gpt.loc["deepspeed", "status"]
+    corr = pd.read_csv(res / "gpu_correctness.csv")
+    assert len(corr) == 4 and (corr.max_rel_error < 1e-4).all() and (corr.moved_by_training > 1e-3).all()
+    assert (res / "gpu_samples_per_s.png").stat().st_size > 10_000
+    # a second call resumes: nothing is measured again
+    before = (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns
+    assert main(args) == 0
+    assert (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns == before
