@@ -48,6 +48,8 @@ class TrainResult:
     program: Program
     rank_pids: list[int] = dataclasses.field(default_factory=list)    # the process of each rank
     backend: str | None = None                  # torch.distributed backend of a multi-rank run
+    bytes_moved: list[dict] = dataclasses.field(default_factory=list)   # per rank: h2d/d2h bytes, steps run
+    device_peak_bytes: list = dataclasses.field(default_factory=list)  # per rank: CUDA allocator peak (None on CPU)
 
 
 def batch_seed(seed: int, step: int) -> int:
@@ -108,7 +110,8 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         samples_per_s=plan.batch * len(times) / sum(times) if times else 0.0,
         iteration_times=times, peak_device_bytes=[r.peak_bytes for r in results],
         start_step=start, steps=max(steps, start), program=program,
-        rank_pids=[r.pid for r in results], backend=results[0].backend if results else None)
+        rank_pids=[r.pid for r in results], backend=results[0].backend if results else None,
+        bytes_moved=[r.bytes_moved for r in results], device_peak_bytes=[r.device_peak_bytes for r in results])
 
 
 def check_plan(model, plan: Plan) -> None:

@@ -182,6 +182,7 @@ class Executor:
         self._sends: list = []
         self._loss = None
         self.times: list[float] = []
+        self.moved = {"h2d": 0, "d2h": 0}     # bytes copied host->device and device->host, all iterations
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -260,7 +261,12 @@ class Executor:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        self.moved["h2d"] += nbytes(t)
         return torch.empty_like(t, device=self.device).copy_(t, non_blocking=True)
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.moved["d2h"] += nbytes(src)
+        dst.copy_(src, non_blocking=True)
 
     def _state(self, layer: int, ins: Instr) -> dict:
         return {**self.table.get(("W", layer), ins), **self.table.get(("B", layer), ins)}
@@ -321,6 +327,7 @@ class Executor:
             return out
         if t is Tensor.K:
             state = self.optim.state_to_device(ins.layers, self.device)
+            self.moved["h2d"] += nbytes(state)
             return {("K", layer): state[layer] for layer in ins.layer_range}
         if t is Tensor.SA:
             key = e.allocs[0]
@@ -331,6 +338,7 @@ class Executor:
                                    f"did not run)")
             self.table.reserve(sum(nbytes(s.host) for s in graph.saved), ins)
             graph.to_device(self.device)
+            self.moved["h2d"] += sum(nbytes(s.host) for s in graph.saved)
             return {key: graph}
         (buf, _), = e.host_reads
         src = self.host.get(buf)[ins.offset:ins.offset + ins.size]
@@ -344,19 +352,20 @@ class Executor:
         if t is Tensor.DW:
             for layer in ins.layer_range:
                 for n, g in self.table.get(("dW", layer), ins).items():
-                    self.optim.grad_buffer(layer, n).copy_(g, non_blocking=True)
+                    self._to_host(self.optim.grad_buffer(layer, n), g)
         elif t in (Tensor.W, Tensor.B):
             for layer in ins.layer_range:
                 home = (self.weights if t is Tensor.W else self.buffers)[layer]
                 for n, d in self.table.get((t.value, layer), ins).items():
-                    home[n].copy_(d.detach(), non_blocking=True)
+                    self._to_host(home[n], d.detach())
         elif t is Tensor.K:
+            self.moved["d2h"] += sum(nbytes(self.table.get(("K", layer), ins)) for layer in ins.layer_range)
             self.optim.state_to_host(ins.layers, {layer: self.table.get(("K", layer), ins)
                                                   for layer in ins.layer_range})
         else:
             src = self.table.get(e.reads[0], ins)
             (buf, _), = e.host_writes
-            self.host.for_rows(buf, src)[ins.offset:ins.offset + ins.size].copy_(src, non_blocking=True)
+            self._to_host(self.host.for_rows(buf, src)[ins.offset:ins.offset + ins.size], src)
 
     def _send(self, ins: Instr, e: Effects) -> None:
         """Roughly: ``isend(device[key], peer, tag)``; the tensor is kept alive until the send completes."""
@@ -395,6 +404,7 @@ class Executor:
         with torch.enable_grad(), saved_tensors_hooks(hooks.pack, hooks.unpack):
             y = self._chain(a, b, leaf, ins)
         graph = PackGraph(y, [leaf] + weights, names, saved=hooks.saved)
+        self.moved["d2h"] += sum(nbytes(s.host) for s in hooks.saved)
         hooks.graph = graph
         if leaf.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
             leaf.untyped_storage().resize_(0)

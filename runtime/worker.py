@@ -66,6 +66,7 @@ class RankResult:
     device_peak_bytes: int | None
     pid: int                    # the process that ran the rank
     backend: str | None         # torch.distributed backend ("gloo", "nccl"); None in a one-rank run
+    bytes_moved: dict = dataclasses.field(default_factory=dict)    # "h2d"/"d2h" bytes over the steps run
 
 
 def updated_packs(program: Program, rank: int) -> list[tuple[int, int]]:
@@ -103,7 +104,7 @@ def run_rank(rank: int, job: Job, comm: Comm | None) -> RankResult:
             bar.close()
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     backend = comm.backend_in_use() if comm else None
-    return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak, os.getpid(), backend)
+    return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak, os.getpid(), backend, dict(ex.moved))
 
 
 def _progress(job: Job, rank: int, total: int):

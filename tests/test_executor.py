@@ -157,6 +157,22 @@ def test_executor_matches_plain_pytorch(name):
         assert len(set(res.rank_pids)) == p.gpus and os.getpid() not in res.rank_pids and res.backend == "gloo"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", [n for n, (_, p, _) in CASES.items() if p.gpus == 1])
+def test_executor_on_cuda_matches_plain_pytorch(name, monkeypatch):
+    """The CUDA path (streams, events, pinned copies, the CPU optimizer thread) trains like plain
+    PyTorch on the CPU: float32 without TF32 on both, so only summation order differs."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    kind, p, factory = CASES[name]
+    model = mlp() if kind == "mlp" else gpt2()
+    want = reference(copy.deepcopy(model), p.batch, factory)
+    res = train(model, p, steps=STEPS, optimizer=factory, progress=False, device="cuda")
+    assert max(layer_errors(res.weights, want)) < 1e-4
+    assert res.device_peak_bytes[0] > 0 and res.bytes_moved[0]["h2d"] > 0 and res.bytes_moved[0]["d2h"] > 0
+
+
 def test_kept_graph_is_used_when_possible():
     p = CASES["mlp-vpp-ufwd4-ubwd2-stash-adam"][1]
     program = compile_plan(p)

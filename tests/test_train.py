@@ -194,6 +194,9 @@ def test_result_reports_speed_and_memory():
     res = train(mlp(), make_plan(), steps=3, progress=False)
     assert res.samples_per_s > 0 and len(res.iteration_times) == 3
     assert res.peak_device_bytes[0] > 0 and len(res.losses) == 3
+    # every step copies each layer's weights in for the forward and the backward, and its gradients out
+    weights = sum(q.numel() * q.element_size() for layer in mlp().layers for q in layer.parameters())
+    assert res.bytes_moved[0]["h2d"] >= 3 * 2 * weights and res.bytes_moved[0]["d2h"] >= 3 * weights
     x, y = _batch(6, torch.Generator().manual_seed(batch_seed(0, 0)))
     with torch.no_grad():
         assert abs(res.losses[0] - mlp().loss(x, y).item()) < 1e-5
