@@ -24,7 +24,10 @@ The lowering is a chain of pure passes:
    (or, with ``optimizer="gpu"``, state swapped in and the step on the device).
    Wherever producer and consumer microbatches differ (u_fwd != u_bwd), the tensor
    goes through host memory, where a microbatch is just a row range, so re-batching
-   costs nothing extra.
+   costs nothing extra. Without input-batch grouping (naive swapping) each microbatch
+   sweeps the whole task list alone: every pack's weights come in once per sweep, each
+   sweep's dW is added to the host gradients (its swap-out carries the sweep as ``mb``;
+   sweep 0 overwrites), and the optimizer steps after the last sweep.
 4. :func:`add_waits`: ids, and every instruction's ``waits_on`` derived from what it
    reads and writes (:func:`harmony_opt.program.effects`), leaving out what the order
    of its own stream already implies.
@@ -137,6 +140,7 @@ class _Lowering:
         self.tags: dict[tuple, int] = {}
         self.counter = itertools.count()
         self.all_reduce = plan.mode == "vDP" and plan.gpus > 1
+        self.sweep: tuple[int, Rows, bool] | None = None    # naive swapping: (index, rows, last?)
 
     # -- helpers ---------------------------------------------------------------------------------
     def emit(self, rank: int, *ins: Instr) -> None:
@@ -152,10 +156,14 @@ class _Lowering:
         return _move(R, tensor, layer, rows, mb, src, tag)
 
     def rows_f(self, rank: int) -> tuple[Rows, ...]:
+        if self.sweep is not None:
+            return (self.sweep[1],)
         return microbatch_rows(self.plan, "FWD", rank)
 
     def rows_b(self, rank: int, j: int) -> tuple[Rows, ...]:
         """A backward pack's microbatches: the forward's when it keeps the forward's graph."""
+        if self.sweep is not None:
+            return (self.sweep[1],)
         return microbatch_rows(self.plan, "FWD" if self.modes[j] else "BWD", rank)
 
     def shared(self, t: Task, other: Task | None) -> set[int]:
@@ -175,8 +183,8 @@ class _Lowering:
         return [_free(x, p) for p in _ranges(t.pack, keep) for x in (Tensor.W, Tensor.B)]
 
     # -- one copy of the task list -----------------------------------------------------------------
-    def run(self, tasks: list[Task]) -> None:
-        self.tasks = tasks
+    def run(self, tasks: list[Task], sweep: tuple[int, Rows, bool] | None = None) -> None:
+        self.tasks, self.sweep = tasks, sweep
         self.fwd = [t for t in tasks if t.kind == "F"]
         self.bwd = {t.bwd: t for t in tasks if t.kind == "B"}
         self.nB = len(self.plan.packs_bwd)
@@ -363,7 +371,10 @@ class _Lowering:
         owner = j % self.plan.gpus if self.plan.mode == "vDP" else r
         if owner == r:
             if self.plan.options[j].optimizer == "cpu":
-                self.emit(r, _ins(O, Tensor.DW, t.pack, Stream.SWAP_OUT), _ins(U, None, t.pack, Stream.CPU))
+                sweep, rows, last = (None, None, True) if self.sweep is None else self.sweep
+                self.emit(r, _ins(O, Tensor.DW, t.pack, Stream.SWAP_OUT, rows, sweep))
+                if last:
+                    self.emit(r, _ins(U, None, t.pack, Stream.CPU))
             else:
                 self.emit(r, _ins(I, Tensor.K, t.pack, Stream.SWAP_IN), _ins(U, None, t.pack, Stream.COMPUTE),
                           _ins(O, Tensor.W, t.pack, Stream.SWAP_OUT), _ins(O, Tensor.K, t.pack, Stream.SWAP_OUT),
@@ -388,7 +399,12 @@ def lower(plan: Plan, copies: list[list[Task]], modes: tuple[bool, ...]) -> list
     """Drafts (no ids, no waits) of every rank's instructions, in issue order."""
     lw = _Lowering(plan, modes)
     for tasks in copies:
-        lw.run(tasks)
+        if plan.input_batch_grouping:
+            lw.run(tasks)
+            continue
+        sweeps = microbatch_rows(plan, "FWD", tasks[0].rank)     # vPP: every rank has the same rows
+        for s, rows in enumerate(sweeps):
+            lw.run(tasks, (s, rows, s == len(sweeps) - 1))
     return [lw.out.get(r, []) for r in range(plan.gpus)]
 
 
@@ -453,10 +469,23 @@ def add_bytes(ins: tuple[Instr, ...], sizes: LayerBytes, num_layers: int) -> tup
     return tuple(out)
 
 
+def _check_sweeps(plan: Plan) -> None:
+    """Naive swapping on several vDP replicas all-reduces every sweep's gradients over all of
+    them, so every replica must sweep as often (the simulator lets the shorter ones drop out)."""
+    if plan.input_batch_grouping or plan.mode != "vDP" or plan.gpus == 1:
+        return
+    counts = [len(microbatch_rows(plan, "FWD", r)) for r in range(plan.gpus)]
+    if len(set(counts)) > 1:
+        raise PlanError(f"naive swapping (input_batch_grouping false) on {plan.gpus} GPUs needs as many microbatches "
+                        f"on every GPU, but minibatch {plan.batch} at microbatch {plan.microbatch_fwd} gives "
+                        f"{', '.join(map(str, counts))}; use a minibatch or microbatch size that splits evenly")
+
+
 def compile_plan(plan: Plan, *, layer_bytes: LayerBytes | None = None) -> Program:
     """Lower ``plan`` to a Program (see the module docstring for the passes)."""
     if layer_bytes is not None and layer_bytes.num_layers != plan.num_layers:
         raise PlanError(f"layer bytes describe {layer_bytes.num_layers} layers but the plan has {plan.num_layers}")
+    _check_sweeps(plan)
     copies = build_tasks(plan)
     modes, notes = stash_modes(plan, copies[0])
     drafts = lower(plan, copies, modes)

@@ -326,6 +326,9 @@ def effects(ins: Instr, num_layers: int) -> Effects:
             return Effects(allocs=(_act("dY", a, ins),), host_reads=((("dX", a), rows),))
         return Effects(allocs=(_act(t.value, a, ins),), host_reads=((_host_act(t.value, a), rows),))
     if k is Kind.SWAP_OUT:
+        if t is Tensor.DW and ins.mb:       # a later naive-swap sweep adds to the host gradients
+            return Effects(reads=_per_layer("dW", ins), host_reads=_host_per_layer("dW", ins),
+                           host_writes=_host_per_layer("dW", ins))
         if t in (Tensor.W, Tensor.B, Tensor.K, Tensor.DW):
             return Effects(reads=_per_layer(t.value, ins), host_writes=_host_per_layer(t.value, ins))
         if t in (Tensor.DX, Tensor.DY):

@@ -183,6 +183,7 @@ class Executor:
         self._loss = None
         self.times: list[float] = []
         self.moved = {"h2d": 0, "d2h": 0}     # bytes copied host->device and device->host, all iterations
+        self._host_adds: list[Future] = []    # naive swapping's gradient additions on the CPU thread
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -246,6 +247,9 @@ class Executor:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+        for f in self._host_adds:
+            f.result()
+        self._host_adds.clear()
         self.streams.finish(self.device)
         if self.table.values:
             left = ", ".join(map(str, list(self.table.values)[:5]))
@@ -267,6 +271,25 @@ class Executor:
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.moved["d2h"] += nbytes(src)
         dst.copy_(src, non_blocking=True)
+
+    def _add_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst += src`` for a host ``dst``: on a GPU, ``src`` is copied into a pinned staging
+        buffer and the CPU worker thread adds it once the copy is done; that thread runs the
+        CPU optimizer steps too, in submission order, so every addition precedes the step."""
+        if not self.streams.cuda:
+            self.moved["d2h"] += nbytes(src)
+            dst.add_(src)
+            return
+        staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        self._to_host(staging, src)
+        done = torch.cuda.Event()
+        done.record()
+
+        def add():
+            done.synchronize()
+            dst.add_(staging)
+
+        self._host_adds.append(self.pool.submit(add))
 
     def _state(self, layer: int, ins: Instr) -> dict:
         return {**self.table.get(("W", layer), ins), **self.table.get(("B", layer), ins)}
@@ -352,7 +375,10 @@ class Executor:
         if t is Tensor.DW:
             for layer in ins.layer_range:
                 for n, g in self.table.get(("dW", layer), ins).items():
-                    self._to_host(self.optim.grad_buffer(layer, n), g)
+                    if ins.mb:      # a later sweep of naive swapping: add to the earlier sweeps' sum
+                        self._add_to_host(self.optim.grad_buffer(layer, n), g)
+                    else:
+                        self._to_host(self.optim.grad_buffer(layer, n), g)
         elif t in (Tensor.W, Tensor.B):
             for layer in ins.layer_range:
                 home = (self.weights if t is Tensor.W else self.buffers)[layer]

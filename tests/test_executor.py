@@ -103,6 +103,8 @@ CASES = {
     "mlp-vdp-uneven-stash-sgd": ("mlp", plan("vDP", 1, 7, 3, 2, [(0, 3)], [(0, 1), (2, 3), (4, 5)], 6,
                                              (NO_RC, NO_RC, GPU_OPT)), SGD),
     "mlp-one-pack-no-prefetch-adam": ("mlp", plan("vPP", 1, 4, 2, 2, [], [(0, 5)], 6, prefetch=False), ADAM),
+    "mlp-naive-swap-sweeps-adam": ("mlp", plan("vDP", 1, 7, 3, 3, [(0, 0), (1, 2)], [(0, 0), (1, 2), (3, 5)], 6,
+                                               input_batch_grouping=False), ADAM),
     "gpt2-vpp-ufwd2-ubwd1-stash-adam": ("gpt2", plan("vPP", 1, 4, 2, 1, [(0, 2), (3, 4)],
                                                      [(0, 2), (3, 4), (5, 7)], 8, (NO_RC, NO_RC, NO_RC)), ADAM),
     "gpt2-vdp-recompute-sgd": ("gpt2", plan("vDP", 1, 4, 4, 2, [(0, 4)], [(0, 1), (2, 4), (5, 7)], 8), SGD),
@@ -114,6 +116,8 @@ CASES = {
                                                     6, (NO_RC, GPU_OPT, PackOptions())), ADAM),
     "mlp-vdp-2ranks-uneven-sgd": ("mlp", plan("vDP", 2, 7, 2, 3, [(0, 3)], [(0, 1), (2, 3), (4, 5)], 6,
                                               (NO_RC, PackOptions(), GPU_OPT)), SGD),
+    "mlp-vdp-2ranks-naive-swap-sgd": ("mlp", plan("vDP", 2, 8, 2, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6,
+                                                  input_batch_grouping=False), SGD),
     "mlp-vdp-2ranks-recompute-adam": ("mlp", plan("vDP", 2, 8, 2, 4, [(0, 1), (2, 3)], [(0, 0), (1, 3), (4, 5)],
                                                   6), ADAM),
 }
