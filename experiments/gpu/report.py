@@ -28,7 +28,7 @@ def runs_table(P, workloads, caps, device_name: str) -> pd.DataFrame:
             if info.get("skipped"):
                 rows.append({**base, "method": "-", "status": info["skipped"]})
                 continue
-            for method in ("ours", "harmony", "naive-swap", "torch-offload", "deepspeed"):
+            for method in ("ours", "harmony", "naive-swap", "l2l", "torch-offload", "deepspeed"):
                 f = d / f"{method}.run.json"
                 plan = info["plans"].get(method, {})
                 if not f.exists():
@@ -66,7 +66,7 @@ def plot(df: pd.DataFrame, path, device_name: str) -> None:
 
     ok = df[df.status == "ok"]
     groups = list(dict.fromkeys(zip(ok.model, ok.cap_GB)))
-    methods = [m for m in ("ours", "harmony", "naive-swap", "torch-offload", "deepspeed") if m in set(ok.method)]
+    methods = [m for m in ("ours", "harmony", "naive-swap", "l2l", "torch-offload", "deepspeed") if m in set(ok.method)]
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
     width = 0.8 / max(len(methods), 1)
     for k, m in enumerate(methods):
