@@ -32,3 +32,22 @@ def test_quick_experiment_writes_every_table_and_the_figure(tmp_path):
     before = (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns
     assert main(args) == 0
     assert (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns == before
+
+
+def test_cached_model_build_has_the_same_weights_and_buffers(tmp_path):
+    import torch
+
+    from experiments.gpu.trial import build_cached
+    from harmony_opt.models import build_model
+
+    fresh = build_model("resnet-tiny", norm="batch")                 # BatchNorm: buffers too
+    first = build_cached("resnet-tiny", {"norm": "batch"}, tmp_path)   # builds and saves
+    again = build_cached("resnet-tiny", {"norm": "batch"}, tmp_path)   # loads
+    assert any(True for layer in again.layers for _ in layer.buffers())
+    assert len(list(tmp_path.iterdir())) == 1
+    for a, b, c in zip(fresh.layers, first.layers, again.layers):
+        ta, tb, tc = (dict(x.named_parameters()) | dict(x.named_buffers()) for x in (a, b, c))
+        assert ta.keys() == tc.keys() and all(torch.equal(ta[k], tc[k]) and torch.equal(ta[k], tb[k]) for k in ta)
+    x, y = fresh.make_batch(2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert again.loss(x, y).item() == fresh.loss(x, y).item()
