@@ -50,6 +50,17 @@ class TrainResult:
     backend: str | None = None                  # torch.distributed backend of a multi-rank run
     bytes_moved: list[dict] = dataclasses.field(default_factory=list)   # per rank: h2d/d2h bytes, steps run
     device_peak_bytes: list = dataclasses.field(default_factory=list)  # per rank: CUDA allocator peak (None on CPU)
+    trace: list[list[tuple]] = dataclasses.field(default_factory=list)  # per rank, with trace=True: see timeline()
+
+    def timeline(self):
+        """The last step as measured (``train(..., trace=True)``): a Timeline like the simulator's,
+        one event per instruction, so the two can be compared stream by stream or drawn alike."""
+        from .timeline import Timeline
+
+        if not any(self.trace):
+            raise UsageError("no trace was recorded: train with trace=True")
+        return Timeline.from_records([r for rows in self.trace for r in rows], self.iteration_times[-1],
+                                     ranks=len(self.trace), meta={"source": "measured"})
 
 
 def batch_seed(seed: int, step: int) -> int:
@@ -62,7 +73,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
           optimizer: str | Callable | None = None, lr: float = 1e-3, steps: int = 10,
           checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = False,
           device: str = "cpu", memory_cap: int | None = None, progress: bool = True, seed: int = 0,
-          program: Program | None = None) -> TrainResult:
+          program: Program | None = None, trace: bool = False) -> TrainResult:
     """Train ``model`` (a LayeredModel) for ``steps`` steps (counted from step 0) as ``plan`` says.
 
     ``data`` yields ``(inputs, targets)`` minibatches of ``plan.batch`` samples from step 0
@@ -72,7 +83,9 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``); the default is the
     model's ``meta["optimizer"]``. ``memory_cap`` (default: the plan's) bounds live device
     bytes per rank. With ``checkpoint_dir``, a checkpoint is written atomically at the last
-    step and every ``checkpoint_every`` steps; ``resume=True`` continues from it.
+    step and every ``checkpoint_every`` steps; ``resume=True`` continues from it. With
+    ``trace=True`` the result holds when every instruction of the last step ran
+    (:meth:`TrainResult.timeline`).
     """
     from runtime.checkpoint import load_checkpoint, restore_layers
     from runtime.optim import make_factory
@@ -101,7 +114,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
               device=device, memory_cap=memory_cap if memory_cap is not None else plan.memory_cap, seed=seed,
               progress=progress, optimizer_state=state["optimizer"] if state else None,
               checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
-              plan=plan.to_dict(), losses_before=list(state["losses"]) if state else [])
+              plan=plan.to_dict(), losses_before=list(state["losses"]) if state else [], trace=trace)
     results = run_job(job) if batches else []
     times = results[0].iteration_times if results else []
     return TrainResult(
@@ -111,7 +124,8 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         iteration_times=times, peak_device_bytes=[r.peak_bytes for r in results],
         start_step=start, steps=max(steps, start), program=program,
         rank_pids=[r.pid for r in results], backend=results[0].backend if results else None,
-        bytes_moved=[r.bytes_moved for r in results], device_peak_bytes=[r.device_peak_bytes for r in results])
+        bytes_moved=[r.bytes_moved for r in results], device_peak_bytes=[r.device_peak_bytes for r in results],
+        trace=[r.trace for r in results])
 
 
 def check_plan(model, plan: Plan) -> None:

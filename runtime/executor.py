@@ -117,13 +117,54 @@ class DeviceTable:
         return self.values.pop(key)
 
 
+class Tracer:
+    """When and where every instruction of the last iteration ran, as :class:`~harmony_opt.timeline.Timeline`
+    event rows (seconds from the iteration's start). On a GPU from CUDA events on each instruction's
+    stream (the device's clock, from an event recorded as the iteration starts); on the CPU, and for
+    the CPU optimizer's steps, from the wall clock. Frees take no time and are left out, as are
+    sends and receives on a GPU (their time is the communication library's)."""
+
+    def __init__(self, rank: int, cuda: bool):
+        self.rank, self.cuda = rank, cuda
+        self.rows: list[tuple] = []
+        self._gpu: list[tuple[Instr, torch.cuda.Event, torch.cuda.Event]] = []
+        self.bytes: dict[int, int] = {}       # instruction id -> bytes it copied between host and device
+
+    def begin(self) -> None:
+        self.rows, self._gpu, self.bytes = [], [], {}
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.base = torch.cuda.Event(enable_timing=True)
+            self.base.record()
+
+    def row(self, ins: Instr, start: float, end: float) -> tuple:
+        kind = ins.tensor.value if ins.kind in (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV) else ins.kind.name
+        mb = -1 if ins.mb is None else ins.mb      # as the simulator writes a whole-pack event
+        return (self.rank, ins.stream.value, kind, str(ins), f"{ins.layers[0]}-{ins.layers[1]}", mb, start, end,
+                self.bytes.get(ins.id, 0))
+
+    def wall(self, ins: Instr, start: float, end: float) -> None:
+        self.rows.append(self.row(ins, start - self.t0, end - self.t0))   # list.append: safe from the CPU thread
+
+    def gpu(self, ins: Instr, start: "torch.cuda.Event", end: "torch.cuda.Event") -> None:
+        self._gpu.append((ins, start, end))
+
+    def finish(self) -> list[tuple]:
+        """The iteration's rows, in start order (call after the device is synchronized)."""
+        for ins, a, b in self._gpu:
+            self.rows.append(self.row(ins, self.base.elapsed_time(a) / 1e3, self.base.elapsed_time(b) / 1e3))
+        self._gpu = []
+        return sorted(self.rows, key=lambda r: (r[6], r[7]))
+
+
 class Streams:
     """Named CUDA streams ordered by events; on the CPU, plain in-order execution."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tracer: Tracer | None = None):
         self.cuda = device.type == "cuda"
         self.streams = {s: torch.cuda.Stream(device) for s in Stream if s is not Stream.CPU} if self.cuda else {}
         self.events: dict[int, torch.cuda.Event] = {}
+        self.tracer = tracer
 
     @contextlib.contextmanager
     def on(self, ins: Instr):
@@ -138,12 +179,18 @@ class Streams:
             ev = self.events.get(w)
             if ev is not None:
                 s.wait_event(ev)
+        timed = self.tracer is not None and ins.kind not in (Kind.SEND, Kind.RECV)
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(s)
         with torch.cuda.stream(s):
             yield s
         if ins.kind not in (Kind.SEND, Kind.RECV):
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(enable_timing=timed)
             ev.record(s)
             self.events[ins.id] = ev
+            if timed:
+                self.tracer.gpu(ins, start, ev)
 
     def finish(self, device: torch.device) -> None:
         if self.cuda:
@@ -161,14 +208,16 @@ class Executor:
 
     def __init__(self, program: Program, rank: int, layers: list[nn.Module], optimizers: PackOptimizers,
                  shapes: list[tuple[tuple[int, ...], torch.dtype]], *, device: str | torch.device = "cpu",
-                 comm=None, memory_cap: int | None = None, seed: int = 0):
+                 comm=None, memory_cap: int | None = None, seed: int = 0, trace: bool = False):
         self.program, self.rank, self.layers = program, rank, layers
         self.instrs = program.ranks[rank]
         self.R = program.num_layers
         self.device = torch.device(device)
         self.optim, self.shapes, self.comm, self.seed = optimizers, shapes, comm, seed
         self.table = DeviceTable(rank, memory_cap)
-        self.streams = Streams(self.device)
+        self.tracer = Tracer(rank, self.device.type == "cuda") if trace else None
+        self.streams = Streams(self.device, self.tracer)
+        self.trace: list[tuple] = []          # with trace=True: the last iteration's Timeline event rows
         self.host = HostBuffers(program.samples[rank])
         self.weights = [{n: p.detach() for n, p in layer.named_parameters()} for layer in layers]
         self.trainable = [{n: p.requires_grad for n, p in layer.named_parameters()} for layer in layers]
@@ -193,6 +242,8 @@ class Executor:
         """Run every instruction once on this rank's share of ``(inputs, targets)``; returns the
         rank's part of the minibatch loss (the loss rank's sum of scaled microbatch losses)."""
         t0 = time.perf_counter()
+        if self.tracer:
+            self.tracer.begin()
         self.step = step
         lo, n = self.program.sample_offsets[self.rank], self.program.samples[self.rank]
         self.host.stage(("data",), inputs[lo:lo + n])
@@ -213,7 +264,13 @@ class Executor:
             with self.streams.on(ins) as stream, record_function(f"H:{ins}"):
                 for w in ins.waits_on:
                     self._wait(w)
+                t_start, moved = time.perf_counter(), sum(self.moved.values())
                 made = handler(self, ins, e) or {}
+                if self.tracer:
+                    self.tracer.bytes[ins.id] = sum(self.moved.values()) - moved
+                if self.tracer and not self.streams.cuda and ins.kind is not Kind.FREE \
+                        and ins.stream is not Stream.CPU:       # the CPU stream's steps time themselves
+                    self.tracer.wall(ins, t_start, time.perf_counter())
                 if stream is not None:
                     for k in e.reads + e.updates:
                         for t in _tensors(self.table.values.get(k)):
@@ -251,6 +308,8 @@ class Executor:
             f.result()
         self._host_adds.clear()
         self.streams.finish(self.device)
+        if self.tracer:
+            self.trace = self.tracer.finish()
         if self.table.values:
             left = ", ".join(map(str, list(self.table.values)[:5]))
             raise ProgramError(f"rank {self.rank}: the iteration ends with tensors still on the device ({left}); "
@@ -497,7 +556,10 @@ class Executor:
             def step():
                 for ev in events:
                     ev.synchronize()
+                t_start = time.perf_counter()
                 self.optim.step_host(ins.layers)
+                if self.tracer:
+                    self.tracer.wall(ins, t_start, time.perf_counter())
 
             self._pending[ins.id] = self.pool.submit(step)
             return

@@ -55,6 +55,7 @@ class Job:
     plan: dict | None = None
     losses_before: list[float] = dataclasses.field(default_factory=list)
     timeout_s: float = 300.0
+    trace: bool = False                                 # record the last iteration's instruction times
 
 
 @dataclasses.dataclass
@@ -67,6 +68,7 @@ class RankResult:
     pid: int                    # the process that ran the rank
     backend: str | None         # torch.distributed backend ("gloo", "nccl"); None in a one-rank run
     bytes_moved: dict = dataclasses.field(default_factory=dict)    # "h2d"/"d2h" bytes over the steps run
+    trace: list = dataclasses.field(default_factory=list)          # Timeline event rows of the last step
 
 
 def updated_packs(program: Program, rank: int) -> list[tuple[int, int]]:
@@ -80,7 +82,7 @@ def run_rank(rank: int, job: Job, comm: Comm | None) -> RankResult:
     if job.optimizer_state:
         optim.load_state_dicts(job.optimizer_state)
     ex = Executor(job.program, rank, job.layers, optim, job.shapes, device=device, comm=comm,
-                  memory_cap=job.memory_cap, seed=job.seed)
+                  memory_cap=job.memory_cap, seed=job.seed, trace=job.trace)
     losses = list(job.losses_before)
     total = job.start_step + len(job.batches)
     bar = _progress(job, rank, total)
@@ -104,7 +106,8 @@ def run_rank(rank: int, job: Job, comm: Comm | None) -> RankResult:
             bar.close()
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     backend = comm.backend_in_use() if comm else None
-    return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak, os.getpid(), backend, dict(ex.moved))
+    return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak, os.getpid(), backend, dict(ex.moved),
+                      ex.trace)
 
 
 def _progress(job: Job, rank: int, total: int):

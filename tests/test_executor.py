@@ -172,9 +172,11 @@ def test_executor_on_cuda_matches_plain_pytorch(name, monkeypatch):
     kind, p, factory = CASES[name]
     model = mlp() if kind == "mlp" else gpt2()
     want = reference(copy.deepcopy(model), p.batch, factory)
-    res = train(model, p, steps=STEPS, optimizer=factory, progress=False, device="cuda")
+    res = train(model, p, steps=STEPS, optimizer=factory, progress=False, device="cuda", trace=True)
     assert max(layer_errors(res.weights, want)) < 1e-4
     assert res.device_peak_bytes[0] > 0 and res.bytes_moved[0]["h2d"] > 0 and res.bytes_moved[0]["d2h"] > 0
+    ev = res.timeline().events          # CUDA events on every stream, the CPU steps on the wall clock
+    assert {"compute", "swap_in", "swap_out"} <= set(ev.stream) and (ev.end >= ev.start).all()
 
 
 def test_kept_graph_is_used_when_possible():

@@ -22,8 +22,12 @@ def test_quick_experiment_writes_every_table_and_the_figure(tmp_path):
     assert (gpt.footprint_GB >= 4 * 0.002).all()
     for m in ("ours", "naive-swap", "torch-offload"):
         assert gpt.loc[m, "status"] == "ok" and gpt.loc[m, "samples_per_s"] > 0 and gpt.loc[m, "steps"] == 2
-    for m in ("ours", "naive-swap"):      # plans: simulated and measured side by side, bytes counted
+    for m in ("ours", "naive-swap"):      # plans: simulated and measured side by side, bytes counted,
         assert gpt.loc[m, "measured_over_simulated"] > 0 and gpt.loc[m, "moved_h2d_GB"] > 0
+        for stream in ("compute", "cpu", "h2d", "d2h"):    # and each stream's busy time against the simulator's
+            assert gpt.loc[m, f"busy_{stream}_over_sim"] > 0
+    assert (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.trace.json").exists()
+    assert (res / "gpu_busy_by_stream.png").stat().st_size > 10_000
     assert "CUDA" in gpt.loc["deepspeed", "status"] or "DeepSpeed" in gpt.loc["deepspeed", "status"]
     corr = pd.read_csv(res / "gpu_correctness.csv")
     assert len(corr) == 4 and (corr.max_rel_error < 1e-4).all() and (corr.moved_by_training > 1e-3).all()

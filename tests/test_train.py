@@ -12,6 +12,7 @@ from harmony_opt.cli import main
 from harmony_opt.compiler import compile_plan
 from harmony_opt.decompose import ClassificationLoss, LayeredModel
 from harmony_opt.errors import DataError, PlanError, ProgramError, UsageError
+from harmony_opt.program import Kind
 from harmony_opt.plan import PackOptions, Plan
 from harmony_opt.training import batch_seed, train
 
@@ -272,3 +273,18 @@ def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path, capsys):
     assert sorted(p.name for p in ck.iterdir()) == ["checkpoint.pt"] and (ck / "checkpoint.pt").read_bytes() == saved
     assert main(["run", good, "--model", "gpt2-tiny", "--resume"]) == 2
     assert "--resume needs --checkpoint" in capsys.readouterr().err
+
+
+def test_trace_times_every_instruction_of_the_last_step():
+    res = train(mlp(), make_plan(), steps=2, progress=False, trace=True)
+    tl = res.timeline()
+    ev = tl.events
+    timed = [x for x in res.program.ranks[0] if x.kind is not Kind.FREE]
+    assert len(ev) == len(timed) and set(ev.task) == {str(x) for x in timed}
+    assert (ev.end >= ev.start).all() and (ev.start >= 0).all() and ev.end.max() <= tl.iteration_time
+    # the bytes each instruction copied (a stashing forward too), summed: the step's share of the count
+    assert ev.bytes.sum() == (res.bytes_moved[0]["h2d"] + res.bytes_moved[0]["d2h"]) / 2
+    assert ev[ev.stream == "swap_in"].bytes.sum() > 0 and ev[ev.stream == "swap_out"].bytes.sum() > 0
+    assert set(ev.stream) >= {"compute", "swap_in", "swap_out", "cpu"} and tl.busy_time("cpu")[0] > 0
+    with pytest.raises(UsageError, match="trace=True"):
+        train(mlp(), make_plan(), steps=1, progress=False).timeline()

@@ -135,6 +135,7 @@ def cases(P: Paths, workloads, caps):
 
 
 def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
+    from .trial import busy_by_stream
     from harmony_opt.baselines import plan_harmony, plan_naive_swap
     from harmony_opt.bound import lower_bound
     from harmony_opt.hardware import get_hardware
@@ -168,6 +169,7 @@ def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
                 tl = simulate(p, prof, hw, memory_cap=cap)
                 p.save(d / f"{method}.plan.json")
                 moved = tl.bytes_moved()
+                info.setdefault("simulated_busy", {})[method] = busy_by_stream(tl)
                 info["plans"][method] = {"simulated_s": tl.iteration_time, "search_s": time.perf_counter() - t0,
                                          "sim_h2d": moved["h2d"], "sim_d2h": moved["d2h"],
                                          "sim_peak": max(tl.peak_memory().values()),
@@ -229,7 +231,8 @@ def stage_train(P: Paths, workloads, caps, device: str, steps: int, warmup: int,
         n = min(steps, max(3, int(run_budget / est) - warmup)) if method in PLAN_METHODS else steps
         job = {"method": method, "model": w.model, "overrides": dict(w.overrides), "batch": batch, "cap": cap,
                "warmup": warmup, "steps": n, "device": device,
-               "plan": str(d / f"{method}.plan.json"), "microbatch": ours.get("u_bwd", 1), "budget_s": run_budget}
+               "plan": str(d / f"{method}.plan.json"), "microbatch": ours.get("u_bwd", 1), "budget_s": run_budget,
+               "trace_path": str(d / f"{method}.trace.json")}
         t0 = time.perf_counter()
         res = _trial(job, out, timeout=max(120.0, 6 * run_budget))
         res["wall_s"] = time.perf_counter() - t0

@@ -50,6 +50,12 @@ def runs_table(P, workloads, caps, device_name: str) -> pd.DataFrame:
                         row["sim_d2h_GB"] = plan["sim_d2h"] / GB
                     if info.get("lower_bound_s"):
                         row["measured_over_bound"] = r["step_s_mean"] / info["lower_bound_s"]
+                    # which term is off: each stream's busy seconds, measured (last step) and simulated
+                    sim_busy = info.get("simulated_busy", {}).get(method, {})
+                    for stream, t in r.get("busy_last_step", {}).items():
+                        row[f"busy_{stream}_s"] = t
+                        if sim_busy.get(stream):
+                            row[f"busy_{stream}_over_sim"] = t / sim_busy[stream]
                 rows.append(row)
     df = pd.DataFrame(rows)
     if not df.empty and "samples_per_s" in df:
@@ -59,32 +65,55 @@ def runs_table(P, workloads, caps, device_name: str) -> pd.DataFrame:
     return df
 
 
-def plot(df: pd.DataFrame, path, device_name: str) -> None:
+def _bars(path, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str, *,
+          values: bool = False, reference: float | None = None) -> None:
+    """Grouped bars: one group per label, one bar per series; saved as PNG (atomically)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = df[df.status == "ok"]
-    groups = list(dict.fromkeys(zip(ok.model, ok.cap_GB)))
-    methods = [m for m in ("ours", "harmony", "naive-swap", "l2l", "torch-offload", "deepspeed") if m in set(ok.method)]
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
-    width = 0.8 / max(len(methods), 1)
-    for k, m in enumerate(methods):
-        vals = [ok[(ok.model == g[0]) & (ok.cap_GB == g[1]) & (ok.method == m)]["samples_per_s"] for g in groups]
-        xs = [i + k * width for i in range(len(groups))]
-        bars = ax.bar(xs, [float(v.iloc[0]) if len(v) else 0 for v in vals], width, label=m)
-        ax.bar_label(bars, labels=[f"{float(v.iloc[0]):.3g}" if len(v) else "" for v in vals], fontsize=7)
-    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(groups))])
-    ax.set_xticklabels([f"{m}\ncap {c:g} GB, D={int(ok[(ok.model == m) & (ok.cap_GB == c)].batch.iloc[0])}"
-                        for m, c in groups])
-    ax.set_ylabel("samples/s (higher is better)")
-    ax.set_title(f"Training larger than the GPU memory cap on {device_name}")
+    fig, ax = plt.subplots(figsize=(max(6, (0.5 + 0.3 * len(series)) * len(labels)), 4))
+    width = 0.8 / max(len(series), 1)
+    for k, (name, ys) in enumerate(series.items()):
+        bars = ax.bar([i + k * width for i in range(len(labels))], [y or 0 for y in ys], width, label=name)
+        if values:
+            ax.bar_label(bars, labels=[f"{y:.3g}" if y else "" for y in ys], fontsize=7)
+    if reference is not None:
+        ax.axhline(reference, color="black", lw=0.8)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(labels))])
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     atomic_write_bytes(path, buf.getvalue())
     plt.close(fig)
+
+
+def plot(df: pd.DataFrame, path, device_name: str) -> None:
+    """Samples/s by method, one group per model and cap."""
+    ok = df[df.status == "ok"]
+    groups = list(dict.fromkeys(zip(ok.model, ok.cap_GB)))
+    methods = [m for m in ("ours", "harmony", "naive-swap", "l2l", "torch-offload", "deepspeed") if m in set(ok.method)]
+
+    def value(g, m):
+        v = ok[(ok.model == g[0]) & (ok.cap_GB == g[1]) & (ok.method == m)]["samples_per_s"]
+        return float(v.iloc[0]) if len(v) else None
+    labels = [f"{m}\ncap {c:g} GB, D={int(ok[(ok.model == m) & (ok.cap_GB == c)].batch.iloc[0])}" for m, c in groups]
+    _bars(path, labels, {m: [value(g, m) for g in groups] for m in methods}, "samples/s (higher is better)",
+          f"Training larger than the GPU memory cap on {device_name}", values=True)
+
+
+def plot_busy(df: pd.DataFrame, path, device_name: str) -> None:
+    """Per plan run: each stream's busy time in the last step, measured over simulated. A stream far
+    from 1 is the cost-model term to fix (docs: experiments/README.md, "On a real GPU")."""
+    streams = [s for s in ("compute", "cpu", "h2d", "d2h") if f"busy_{s}_over_sim" in df]
+    runs = df.dropna(subset=[f"busy_{streams[0]}_over_sim"])
+    labels = [f"{m}\n{c:g} GB\n{meth}" for m, c, meth in zip(runs.model, runs.cap_GB, runs.method)]
+    _bars(path, labels, {s: list(runs[f"busy_{s}_over_sim"]) for s in streams}, "busy time, measured / simulated",
+          f"Which term is off: each stream's busy time on {device_name}", reference=1.0)
 
 
 def write_report(P, workloads, caps, device_name: str) -> None:
@@ -97,12 +126,16 @@ def write_report(P, workloads, caps, device_name: str) -> None:
                           pd.DataFrame(json.loads(corr.read_text())).to_csv(index=False, float_format="%.3g"))
     if not df.empty and (df.status == "ok").any():
         plot(df, P.results / "gpu_samples_per_s.png", device_name)
+    if "busy_compute_over_sim" in df and df["busy_compute_over_sim"].notna().any():
+        plot_busy(df, P.results / "gpu_busy_by_stream.png", device_name)
     lines = [f"# GPU experiment on {device_name} ({datetime.date.today().isoformat()})", "",
              "`python -m experiments.gpu` (experiments/gpu/); raw results in experiments/results/gpu/.", ""]
     if not df.empty:
         cols = [c for c in ("model", "cap_GB", "batch", "footprint_GB", "method", "status", "samples_per_s",
                             "ours_speedup", "measured_s", "simulated_s", "measured_over_simulated",
-                            "measured_over_bound", "peak_allocated_GB", "moved_h2d_GB", "moved_d2h_GB", "steps")
+                            "measured_over_bound", "busy_compute_over_sim", "busy_cpu_over_sim",
+                            "busy_h2d_over_sim", "busy_d2h_over_sim", "peak_allocated_GB", "moved_h2d_GB",
+                            "moved_d2h_GB", "steps")
                 if c in df]
         lines += [markdown_table(df[cols], floatfmt=".3g"), ""]
     if corr.exists():

@@ -32,6 +32,17 @@ def _tensors(layer):
     return itertools.chain(layer.named_parameters(), layer.named_buffers())
 
 
+def busy_by_stream(timeline) -> dict[str, float]:
+    """Seconds each stream is busy in a Timeline (rank 0), the host link's two directions summed over
+    their streams: what the simulator and the measurement are compared by."""
+    from harmony_opt.timeline import D2H_STREAMS, H2D_STREAMS
+
+    ev = timeline.events[timeline.events["rank"] == 0]
+    dur = ev.end - ev.start
+    return {"compute": float(dur[ev.stream == "compute"].sum()), "cpu": float(dur[ev.stream == "cpu"].sum()),
+            "h2d": float(dur[ev.stream.isin(H2D_STREAMS)].sum()), "d2h": float(dur[ev.stream.isin(D2H_STREAMS)].sum())}
+
+
 def build_cached(name: str, overrides: dict, cache: Path | None = None):
     """``build_model(name, **overrides)``, with the initial weights kept in ``cache`` (default: the
     system's temporary folder) after the first build: GPT-2 XL's initialisation takes about 30 s
@@ -95,8 +106,12 @@ def run(job: dict) -> dict:
         # the CUDA allocator enforces the cap; the executor's guard (live tensors against the plan's
         # model of memory) is off here so that a run shows what the real allocator needed
         res = train(model, plan, steps=n, device=device.type, memory_cap=2 ** 62, progress=False,
-                    optimizer=optimizer, lr=lr)
+                    optimizer=optimizer, lr=lr, trace=True)
         out["live_tensor_peak"] = res.peak_device_bytes[0]
+        measured = res.timeline()
+        out["busy_last_step"] = busy_by_stream(measured)
+        if job.get("trace_path"):
+            measured.to_chrome_trace(job["trace_path"])
         times, losses = res.iteration_times, res.losses
         h2d = res.bytes_moved[0]["h2d"] / n
         d2h = res.bytes_moved[0]["d2h"] / n
