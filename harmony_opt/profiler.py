@@ -260,22 +260,26 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None =
     buffers are excluded, since they are resident anyway.
     """
     resident = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
-    seen: dict[int, int] = {}
+    seen: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         if storage.data_ptr() not in resident:
-            seen[storage.data_ptr()] = storage.nbytes()
-        # nothing is kept: this graph never runs backward. Keeping ``t`` itself would leak the
-        # whole graph: a saved output references its own grad_fn, a cycle autograd frees only
-        # in a backward (on a GPU, VGG-416's profile ran out of 80 GB by layer 25 that way).
+            # held here until the count is done, so that no storage is freed and its address reused
+            # by a later one (which would then not be counted)
+            seen[storage.data_ptr()] = t
+        # the graph keeps nothing: it never runs backward. Handing ``t`` itself back would leak the
+        # whole graph: a saved output references its own grad_fn, a cycle autograd frees only in a
+        # backward (on a GPU, VGG-416's profile ran out of 80 GB by layer 25 that way).
 
     def unpack(_):
         raise RuntimeError("saved_bytes' graph is for counting only")
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         _call(layer, x.detach().requires_grad_(x.is_floating_point()), target)
-    return sum(seen.values())
+    total = sum(t.untyped_storage().nbytes() for t in seen.values())
+    seen.clear()    # the graph may hold the hooks, and they ``seen``: drop the tensors, or the cycle keeps them
+    return total
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

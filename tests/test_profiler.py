@@ -207,3 +207,27 @@ def test_counting_saved_bytes_keeps_no_graph_alive():
     counted = [saved_bytes(layer, x) for _ in range(5)]
     assert live() == before
     assert counted[0] >= 4 * 8 * 4 and len(set(counted)) == 1    # the ReLU's output at least, every time
+
+
+def test_saved_bytes_counts_every_saved_storage_once():
+    """The count equals what a real graph keeps: a GPT-2 block's many intermediates, freed as the
+    forward goes unless held, must not share an address and be counted once."""
+    from harmony_opt.models import build_model
+    from harmony_opt.profiler import saved_bytes
+
+    model = build_model("gpt2-tiny")
+    block = model.layers[1]
+    x = model.layers[0](model.make_batch(4, torch.Generator().manual_seed(0))[0])
+    resident = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in resident:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    xi = x.detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(xi)
+    y.sum().backward()          # frees the graph the reference kept
+    assert len(kept) > 5 and [saved_bytes(block, x) for _ in range(3)] == [sum(kept.values())] * 3
