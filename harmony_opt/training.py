@@ -50,7 +50,7 @@ class TrainResult:
     backend: str | None = None                  # torch.distributed backend of a multi-rank run
     bytes_moved: list[dict] = dataclasses.field(default_factory=list)   # per rank: h2d/d2h bytes, steps run
     device_peak_bytes: list = dataclasses.field(default_factory=list)  # per rank: CUDA allocator peak (None on CPU)
-    trace: list[list[tuple]] = dataclasses.field(default_factory=list)  # per rank, with trace=True: see timeline()
+    trace: list[dict] = dataclasses.field(default_factory=list)   # per rank, with trace=True: see timeline()
 
     def timeline(self):
         """The last step as measured (``train(..., trace=True)``): a Timeline like the simulator's,
@@ -59,8 +59,9 @@ class TrainResult:
 
         if not any(self.trace):
             raise UsageError("no trace was recorded: train with trace=True")
-        return Timeline.from_records([r for rows in self.trace for r in rows], self.iteration_times[-1],
-                                     ranks=len(self.trace), meta={"source": "measured"})
+        return Timeline.from_records([r for t in self.trace for r in t["events"]], self.iteration_times[-1],
+                                     [m for t in self.trace for m in t["memory"]], ranks=len(self.trace),
+                                     meta={"source": "measured"})
 
 
 def batch_seed(seed: int, step: int) -> int:

@@ -41,6 +41,7 @@ from torch.func import functional_call
 
 from harmony_opt.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
 from harmony_opt.program import CHANNELS, Effects, Instr, Kind, Program, Stream, Tensor, effects, format_schedule
+from harmony_opt.timeline import memory_steps
 
 from .buffers import HostBuffers
 from .graph import CountSaved, Offload, PackGraph
@@ -122,20 +123,34 @@ class Tracer:
     event rows (seconds from the iteration's start). On a GPU from CUDA events on each instruction's
     stream (the device's clock, from an event recorded as the iteration starts); on the CPU, and for
     the CPU optimizer's steps, from the wall clock. Frees take no time and are left out, as are
-    sends and receives on a GPU (their time is the communication library's)."""
+    sends and receives on a GPU (their time is the communication library's). Memory: the live
+    device bytes as each instruction leaves them, from its end (a free's, from the end of the
+    device instruction before it: exact on the CPU, where they run in order; on a GPU, where
+    streams overlap, an approximation)."""
 
     def __init__(self, rank: int, cuda: bool):
         self.rank, self.cuda = rank, cuda
         self.rows: list[tuple] = []
         self._gpu: list[tuple[Instr, torch.cuda.Event, torch.cuda.Event]] = []
         self.bytes: dict[int, int] = {}       # instruction id -> bytes it copied between host and device
+        self._memory: list[tuple[int | None, int]] = []     # (id whose end it happens at, change in bytes)
+        self._last: int | None = None
 
     def begin(self) -> None:
-        self.rows, self._gpu, self.bytes = [], [], {}
+        self.rows, self._gpu, self.bytes, self._memory, self._last = [], [], {}, [], None
         self.t0 = time.perf_counter()
         if self.cuda:
             self.base = torch.cuda.Event(enable_timing=True)
             self.base.record()
+
+    def timed(self, ins: Instr) -> bool:
+        return ins.kind is not Kind.FREE and not (self.cuda and ins.kind in (Kind.SEND, Kind.RECV))
+
+    def memory(self, ins: Instr, change: int) -> None:
+        if self.timed(ins) and ins.stream is not Stream.CPU:    # CPU steps end out of program order
+            self._last = ins.id
+        if change:
+            self._memory.append((self._last, change))
 
     def row(self, ins: Instr, start: float, end: float) -> tuple:
         kind = ins.tensor.value if ins.kind in (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV) else ins.kind.name
@@ -149,12 +164,15 @@ class Tracer:
     def gpu(self, ins: Instr, start: "torch.cuda.Event", end: "torch.cuda.Event") -> None:
         self._gpu.append((ins, start, end))
 
-    def finish(self) -> list[tuple]:
-        """The iteration's rows, in start order (call after the device is synchronized)."""
+    def finish(self) -> dict[str, list[tuple]]:
+        """The iteration's event rows in start order, and its memory steps (rank, time, bytes);
+        call after the device is synchronized."""
         for ins, a, b in self._gpu:
             self.rows.append(self.row(ins, self.base.elapsed_time(a) / 1e3, self.base.elapsed_time(b) / 1e3))
         self._gpu = []
-        return sorted(self.rows, key=lambda r: (r[6], r[7]))
+        end = {int(r[3].split(":", 1)[0]): r[7] for r in self.rows}
+        steps = memory_steps(self.rank, [(end.get(i, 0.0), change) for i, change in self._memory])
+        return {"events": sorted(self.rows, key=lambda r: (r[6], r[7])), "memory": steps}
 
 
 class Streams:
@@ -217,7 +235,7 @@ class Executor:
         self.table = DeviceTable(rank, memory_cap)
         self.tracer = Tracer(rank, self.device.type == "cuda") if trace else None
         self.streams = Streams(self.device, self.tracer)
-        self.trace: list[tuple] = []          # with trace=True: the last iteration's Timeline event rows
+        self.trace: dict = {}                 # with trace=True: the last iteration's events and memory steps
         self.host = HostBuffers(program.samples[rank])
         self.weights = [{n: p.detach() for n, p in layer.named_parameters()} for layer in layers]
         self.trainable = [{n: p.requires_grad for n, p in layer.named_parameters()} for layer in layers]
@@ -268,19 +286,22 @@ class Executor:
                 made = handler(self, ins, e) or {}
                 if self.tracer:
                     self.tracer.bytes[ins.id] = sum(self.moved.values()) - moved
-                if self.tracer and not self.streams.cuda and ins.kind is not Kind.FREE \
+                if self.tracer and not self.streams.cuda and self.tracer.timed(ins) \
                         and ins.stream is not Stream.CPU:       # the CPU stream's steps time themselves
                     self.tracer.wall(ins, t_start, time.perf_counter())
                 if stream is not None:
                     for k in e.reads + e.updates:
                         for t in _tensors(self.table.values.get(k)):
                             t.record_stream(stream)
+            live = self.table.live
             for k in e.allocs:
                 self.table.put(k, made[k], ins)
             for k in e.updates:
                 self.table.resize(k)
             for k in e.frees:
                 self._release(self.table.pop(k, ins))
+            if self.tracer:
+                self.tracer.memory(ins, self.table.live - live)
         except HarmonyOptError as err:
             raise type(err)(f"{err}\n{format_schedule(self.program, self.rank, i)}") from None
         except Exception as err:

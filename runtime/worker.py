@@ -68,7 +68,7 @@ class RankResult:
     pid: int                    # the process that ran the rank
     backend: str | None         # torch.distributed backend ("gloo", "nccl"); None in a one-rank run
     bytes_moved: dict = dataclasses.field(default_factory=dict)    # "h2d"/"d2h" bytes over the steps run
-    trace: list = dataclasses.field(default_factory=list)          # Timeline event rows of the last step
+    trace: dict = dataclasses.field(default_factory=dict)          # the last step's events and memory steps
 
 
 def updated_packs(program: Program, rank: int) -> list[tuple[int, int]]:

@@ -286,5 +286,20 @@ def test_trace_times_every_instruction_of_the_last_step():
     assert ev.bytes.sum() == (res.bytes_moved[0]["h2d"] + res.bytes_moved[0]["d2h"]) / 2
     assert ev[ev.stream == "swap_in"].bytes.sum() > 0 and ev[ev.stream == "swap_out"].bytes.sum() > 0
     assert set(ev.stream) >= {"compute", "swap_in", "swap_out", "cpu"} and tl.busy_time("cpu")[0] > 0
+    # memory over the step: it rises and returns to nothing, never above what the memory guard saw
+    mem = tl.memory.sort_values("time")
+    assert mem.bytes.iloc[-1] == 0 and 0 < tl.peak_memory()[0] <= res.peak_device_bytes[0]
     with pytest.raises(UsageError, match="trace=True"):
         train(mlp(), make_plan(), steps=1, progress=False).timeline()
+
+
+def test_cli_run_writes_the_measured_trace_and_gantt(tmp_path, capsys):
+    path = write_plan(tmp_path / "plan.json")
+    trace, png = tmp_path / "t.json", tmp_path / "g.png"
+    assert main(["run", path, "--model", "gpt2-tiny", "--steps", "2", "--no-progress", "--trace", str(trace),
+                 "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "last step" in out and "compute" in out and "swap_in" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["args"]["task"].split(":")[1][0] for e in events if e["ph"] == "X"} >= {"F", "B", "I", "O"}
+    assert png.stat().st_size > 10_000

@@ -36,6 +36,10 @@ def register(sub):
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--memory-cap", default=None, help="live device bytes per rank (default: the plan's)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--trace", metavar="FILE", default=None,
+                   help="write when every instruction of the last step ran, as a Chrome/Perfetto trace (JSON)")
+    r.add_argument("--plot", metavar="PNG", default=None,
+                   help="draw the last step as measured: a Gantt chart per rank and stream, like `simulate --plot`")
     r.set_defaults(func=_run)
 
 
@@ -92,7 +96,8 @@ def _run(args):
     res = train(model, plan, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
                 checkpoint_dir=Path(args.checkpoint) if args.checkpoint else None,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, memory_cap=cap,
-                progress=not args.no_progress, seed=args.seed, program=program)
+                progress=not args.no_progress, seed=args.seed, program=program,
+                trace=bool(args.trace or args.plot))
     ran = res.steps - res.start_step
     if ran == 0:
         print(f"nothing to do: the checkpoint is at step {res.start_step} of {res.steps}")
@@ -102,3 +107,12 @@ def _run(args):
           f"{res.losses[-1]:.4f}, {res.samples_per_s:.1f} samples/s, peak device memory per rank {peak}")
     for note in res.program.notes:
         print(f"note: {note}")
+    if args.trace or args.plot:
+        measured = res.timeline()
+        busy = ", ".join(f"{s} {t:.3f} s" for s, t in sorted(
+            measured.events.assign(d=measured.events.end - measured.events.start).groupby("stream").d.sum().items()))
+        print(f"last step {measured.iteration_time:.3f} s; busy per stream (all ranks): {busy}")
+        if args.trace:
+            print(f"wrote {measured.to_chrome_trace(args.trace)}")
+        if args.plot:
+            print(f"wrote {measured.plot(args.plot, title=f'{args.model}: last step as measured')}")
