@@ -135,9 +135,10 @@ class Tracer:
         self.bytes: dict[int, int] = {}       # instruction id -> bytes it copied between host and device
         self._memory: list[tuple[int | None, int]] = []     # (id whose end it happens at, change in bytes)
         self._last: int | None = None
+        self._ends: dict[int, float] = {}     # instruction id -> when it ended
 
     def begin(self) -> None:
-        self.rows, self._gpu, self.bytes, self._memory, self._last = [], [], {}, [], None
+        self.rows, self._gpu, self.bytes, self._memory, self._last, self._ends = [], [], {}, [], None, {}
         self.t0 = time.perf_counter()
         if self.cuda:
             self.base = torch.cuda.Event(enable_timing=True)
@@ -153,6 +154,7 @@ class Tracer:
             self._memory.append((self._last, change))
 
     def row(self, ins: Instr, start: float, end: float) -> tuple:
+        self._ends[ins.id] = end
         kind = ins.tensor.value if ins.kind in (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV) else ins.kind.name
         mb = -1 if ins.mb is None else ins.mb      # as the simulator writes a whole-pack event
         return (self.rank, ins.stream.value, kind, str(ins), f"{ins.layers[0]}-{ins.layers[1]}", mb, start, end,
@@ -170,8 +172,7 @@ class Tracer:
         for ins, a, b in self._gpu:
             self.rows.append(self.row(ins, self.base.elapsed_time(a) / 1e3, self.base.elapsed_time(b) / 1e3))
         self._gpu = []
-        end = {int(r[3].split(":", 1)[0]): r[7] for r in self.rows}
-        steps = memory_steps(self.rank, [(end.get(i, 0.0), change) for i, change in self._memory])
+        steps = memory_steps(self.rank, [(self._ends.get(i, 0.0), change) for i, change in self._memory])
         return {"events": sorted(self.rows, key=lambda r: (r[6], r[7])), "memory": steps}
 
 
@@ -282,13 +283,14 @@ class Executor:
             with self.streams.on(ins) as stream, record_function(f"H:{ins}"):
                 for w in ins.waits_on:
                     self._wait(w)
-                t_start, moved = time.perf_counter(), sum(self.moved.values())
-                made = handler(self, ins, e) or {}
-                if self.tracer:
+                if self.tracer is None:
+                    made = handler(self, ins, e) or {}
+                else:
+                    t_start, moved = time.perf_counter(), sum(self.moved.values())
+                    made = handler(self, ins, e) or {}
                     self.tracer.bytes[ins.id] = sum(self.moved.values()) - moved
-                if self.tracer and not self.streams.cuda and self.tracer.timed(ins) \
-                        and ins.stream is not Stream.CPU:       # the CPU stream's steps time themselves
-                    self.tracer.wall(ins, t_start, time.perf_counter())
+                    if not self.streams.cuda and self.tracer.timed(ins) and ins.stream is not Stream.CPU:
+                        self.tracer.wall(ins, t_start, time.perf_counter())   # CPU steps time themselves
                 if stream is not None:
                     for k in e.reads + e.updates:
                         for t in _tensors(self.table.values.get(k)):

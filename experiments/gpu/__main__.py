@@ -128,10 +128,10 @@ def cases(P: Paths, workloads, caps):
 
     for w in workloads:
         prof = Profile.load(P.profile(w))
+        feet = {b: footprint(prof, b) for b in w.batches}
         for cap in caps:
-            fits = [b for b in w.batches if footprint(prof, b) >= 4 * cap]
-            batch = fits[0] if fits else None
-            yield w, cap, batch, footprint(prof, batch or w.batches[-1]), prof
+            batch = next((b for b in w.batches if feet[b] >= 4 * cap), None)
+            yield w, cap, batch, feet[batch or w.batches[-1]], prof
 
 
 def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
@@ -208,8 +208,9 @@ def stage_train(P: Paths, workloads, caps, device: str, steps: int, warmup: int,
         import torch
         atomic_write_json(P.raw / "device.json", {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                                   "cuda": torch.version.cuda})
-    todo = [(c, m) for m in methods if m in PLAN_METHODS for c in cases(P, workloads, caps)]
-    todo += [(c, m) for m in methods if m not in PLAN_METHODS for c in cases(P, workloads, caps)]  # slow ones last
+    every = list(cases(P, workloads, caps))
+    todo = [(c, m) for m in methods if m in PLAN_METHODS for c in every]
+    todo += [(c, m) for m in methods if m not in PLAN_METHODS for c in every]      # the slow ones last
     for (w, cap, batch, _, _), method in todo:
         d = P.case(w, cap)
         info = json.loads((d / "case.json").read_text())

@@ -8,7 +8,9 @@
   PyTorch user gets without a planner.
 * ``deepspeed``: ZeRO stage 3 with parameters and optimizer state offloaded to the CPU
   (ZeRO-Offload/Infinity), the same ``save_on_cpu`` for activations, fp32, a
-  ``torch.optim.Adam`` client optimizer (no compiled DeepSpeed op is needed).
+  ``torch.optim`` client optimizer (no compiled DeepSpeed op is needed).
+
+Both step the same optimizer as the executor's runs (``runtime.optim.make_factory``).
 
 Both return per-step times and bytes moved. Activation bytes are counted by the hooks;
 parameter and gradient bytes follow FSDP's and ZeRO-3's rule (each layer's parameters in
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from harmony_opt.decompose import run_layers
+from runtime.optim import make_factory
 
 
 class Chain(nn.Module):
@@ -41,7 +44,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """``torch.autograd.graph.save_on_cpu(pin_memory=True)`` that also counts the bytes it moves."""
 
     def __init__(self, device: torch.device):
-        self.bytes = 0
+        self.h2d = self.d2h = 0
         cuda = device.type == "cuda"
 
         def pack(t: torch.Tensor):
@@ -49,14 +52,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 return (t.device, t)
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
             host.copy_(t)
-            self.bytes += t.numel() * t.element_size()
+            self.d2h += t.numel() * t.element_size()
             return (t.device, host)
 
         def unpack(packed):
             dev, t = packed
             if t.device == dev:
                 return t
-            self.bytes += t.numel() * t.element_size()
+            self.h2d += t.numel() * t.element_size()
             return t.to(dev, non_blocking=True)
 
         super().__init__(pack, unpack)
@@ -76,6 +79,13 @@ def _init_single_process_group(backend: str) -> None:
 
 def _param_bytes(layers) -> int:
     return sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+
+
+def _traffic(hooks: OffloadActivations, weights: int, microbatches: int, steps: int) -> dict:
+    """Bytes over the host link in ``steps`` steps: the activations the hooks moved, and per
+    microbatch each layer's parameters in twice (forward, backward) and its gradients out once."""
+    return {"bytes_h2d": hooks.h2d + 2 * weights * microbatches * steps,
+            "bytes_d2h": hooks.d2h + weights * microbatches * steps}
 
 
 def _loop(step_fn, batches, micro: int, device, hooks: OffloadActivations, warmup: int, budget_s: float):
@@ -116,9 +126,7 @@ def train_torch_offload(model, batches, micro: int, device: torch.device, optimi
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh, offload_policy=policy)
         fully_shard(chain, mesh=mesh, offload_policy=policy)
-    params = [p for p in chain.parameters() if p.requires_grad]
-    opt = (torch.optim.Adam(params, lr=lr) if optimizer in ("adam", "adamw")
-           else torch.optim.SGD(params, lr=lr, momentum=0.9))
+    opt = make_factory(optimizer, lr)([p for p in chain.parameters() if p.requires_grad])
     losses = []
 
     def step(x, y, m, hooks):
@@ -134,11 +142,9 @@ def train_torch_offload(model, batches, micro: int, device: torch.device, optimi
 
     hooks = OffloadActivations(device)
     times = _loop(step, batches, micro, device, hooks, warmup, budget_s)
-    m = -(-batches[0][0].shape[0] // micro) if batches else 0
-    steps = len(times)
-    return {"times": times, "losses": losses,
-            "bytes_h2d": hooks.bytes / 2 + 2 * W * m * steps if device.type == "cuda" else 0,
-            "bytes_d2h": hooks.bytes / 2 + W * m * steps if device.type == "cuda" else 0}
+    moved = (_traffic(hooks, W, -(-batches[0][0].shape[0] // micro), len(times)) if device.type == "cuda"
+             else {"bytes_h2d": 0, "bytes_d2h": 0})     # on the CPU nothing crosses a host link
+    return {"times": times, "losses": losses, **moved}
 
 
 def train_deepspeed(model, batches, micro: int, device: torch.device, optimizer: str, lr: float, *,
@@ -160,9 +166,7 @@ def train_deepspeed(model, batches, micro: int, device: torch.device, optimizer:
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
     }
-    params = [p for p in chain.parameters() if p.requires_grad]
-    opt = (torch.optim.Adam(params, lr=lr) if optimizer in ("adam", "adamw")
-           else torch.optim.SGD(params, lr=lr, momentum=0.9))
+    opt = make_factory(optimizer, lr)([p for p in chain.parameters() if p.requires_grad])
     engine, _, _, _ = deepspeed.initialize(model=chain, optimizer=opt, config=config)
     losses = []
 
@@ -178,6 +182,4 @@ def train_deepspeed(model, batches, micro: int, device: torch.device, optimizer:
 
     hooks = OffloadActivations(device)
     times = _loop(step, batches, micro, device, hooks, warmup, budget_s)
-    m = D // micro
-    return {"times": times, "losses": losses,
-            "bytes_h2d": hooks.bytes / 2 + 2 * W * m * len(times), "bytes_d2h": hooks.bytes / 2 + W * m * len(times)}
+    return {"times": times, "losses": losses, **_traffic(hooks, W, D // micro, len(times))}

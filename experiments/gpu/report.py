@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import datetime
-import json
-
 import io
+import json
 
 import pandas as pd
 
@@ -12,7 +11,8 @@ from harmony_opt.io import atomic_write_bytes, atomic_write_text
 from harmony_opt.reproduce import markdown_table
 
 GB = 10 ** 9
-PLAN_METHODS = ("ours", "harmony", "naive-swap")
+#: every method a case may hold results of, in table and figure order ("l2l": runs filed as what they ran)
+METHODS = ("ours", "harmony", "naive-swap", "l2l", "torch-offload", "deepspeed")
 
 
 def runs_table(P, workloads, caps, device_name: str) -> pd.DataFrame:
@@ -28,7 +28,7 @@ def runs_table(P, workloads, caps, device_name: str) -> pd.DataFrame:
             if info.get("skipped"):
                 rows.append({**base, "method": "-", "status": info["skipped"]})
                 continue
-            for method in ("ours", "harmony", "naive-swap", "l2l", "torch-offload", "deepspeed"):
+            for method in METHODS:
                 f = d / f"{method}.run.json"
                 plan = info["plans"].get(method, {})
                 if not f.exists():
@@ -96,7 +96,7 @@ def plot(df: pd.DataFrame, path, device_name: str) -> None:
     """Samples/s by method, one group per model and cap."""
     ok = df[df.status == "ok"]
     groups = list(dict.fromkeys(zip(ok.model, ok.cap_GB)))
-    methods = [m for m in ("ours", "harmony", "naive-swap", "l2l", "torch-offload", "deepspeed") if m in set(ok.method)]
+    methods = [m for m in METHODS if m in set(ok.method)]
 
     def value(g, m):
         v = ok[(ok.model == g[0]) & (ok.cap_GB == g[1]) & (ok.method == m)]["samples_per_s"]
@@ -120,10 +120,10 @@ def write_report(P, workloads, caps, device_name: str) -> None:
     P.results.mkdir(parents=True, exist_ok=True)
     df = runs_table(P, workloads, caps, device_name)
     atomic_write_text(P.results / "gpu_runs.csv", df.to_csv(index=False, float_format="%.6g"))
-    corr = P.raw / "correctness.json"
-    if corr.exists():
-        atomic_write_text(P.results / "gpu_correctness.csv",
-                          pd.DataFrame(json.loads(corr.read_text())).to_csv(index=False, float_format="%.3g"))
+    path = P.raw / "correctness.json"
+    corr = pd.DataFrame(json.loads(path.read_text())) if path.exists() else None
+    if corr is not None:
+        atomic_write_text(P.results / "gpu_correctness.csv", corr.to_csv(index=False, float_format="%.3g"))
     if not df.empty and (df.status == "ok").any():
         plot(df, P.results / "gpu_samples_per_s.png", device_name)
     if "busy_compute_over_sim" in df and df["busy_compute_over_sim"].notna().any():
@@ -138,7 +138,7 @@ def write_report(P, workloads, caps, device_name: str) -> None:
                             "moved_d2h_GB", "steps")
                 if c in df]
         lines += [markdown_table(df[cols], floatfmt=".3g"), ""]
-    if corr.exists():
+    if corr is not None:
         lines += ["Correctness (weights after 10 steps, executor vs plain PyTorch, TF32 off):", "",
-                  markdown_table(pd.DataFrame(json.loads(corr.read_text())), floatfmt=".2e"), ""]
+                  markdown_table(corr, floatfmt=".2e"), ""]
     atomic_write_text(P.results / "gpu_summary.md", "\n".join(lines))

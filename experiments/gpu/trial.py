@@ -37,10 +37,9 @@ def busy_by_stream(timeline) -> dict[str, float]:
     their streams: what the simulator and the measurement are compared by."""
     from harmony_opt.timeline import D2H_STREAMS, H2D_STREAMS
 
-    ev = timeline.events[timeline.events["rank"] == 0]
-    dur = ev.end - ev.start
-    return {"compute": float(dur[ev.stream == "compute"].sum()), "cpu": float(dur[ev.stream == "cpu"].sum()),
-            "h2d": float(dur[ev.stream.isin(H2D_STREAMS)].sum()), "d2h": float(dur[ev.stream.isin(D2H_STREAMS)].sum())}
+    def busy(streams):
+        return float(sum(timeline.busy_time(s).get(0, 0.0) for s in streams))
+    return {"compute": busy(["compute"]), "cpu": busy(["cpu"]), "h2d": busy(H2D_STREAMS), "d2h": busy(D2H_STREAMS)}
 
 
 def build_cached(name: str, overrides: dict, cache: Path | None = None):
@@ -75,14 +74,11 @@ def run(job: dict) -> dict:
     from harmony_opt.training import batch_seed
 
     device = torch.device(job["device"])
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = bool(job.get("tf32", False))
-        torch.backends.cudnn.allow_tf32 = bool(job.get("tf32", False))
+    if device.type == "cuda":       # precision: torch's defaults, under which the profiles were measured
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, job["cap"] / total))
     t0 = time.perf_counter()
-    model = build_cached(job["model"], job.get("overrides", {}),
-                         Path(job["model_cache"]) if job.get("model_cache") else None)
+    model = build_cached(job["model"], job.get("overrides", {}))
     optimizer = model.meta.get("optimizer", "adam")
     lr = 1e-4 if optimizer == "adam" else 1e-3
     n = job["warmup"] + job["steps"]
@@ -108,10 +104,10 @@ def run(job: dict) -> dict:
         res = train(model, plan, steps=n, device=device.type, memory_cap=2 ** 62, progress=False,
                     optimizer=optimizer, lr=lr, trace=True)
         out["live_tensor_peak"] = res.peak_device_bytes[0]
-        measured = res.timeline()
-        out["busy_last_step"] = busy_by_stream(measured)
+        last_step = res.timeline()
+        out["busy_last_step"] = busy_by_stream(last_step)
         if job.get("trace_path"):
-            measured.to_chrome_trace(job["trace_path"])
+            last_step.to_chrome_trace(job["trace_path"])
         times, losses = res.iteration_times, res.losses
         h2d = res.bytes_moved[0]["h2d"] / n
         d2h = res.bytes_moved[0]["d2h"] / n

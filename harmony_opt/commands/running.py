@@ -109,8 +109,8 @@ def _run(args):
         print(f"note: {note}")
     if args.trace or args.plot:
         measured = res.timeline()
-        busy = ", ".join(f"{s} {t:.3f} s" for s, t in sorted(
-            measured.events.assign(d=measured.events.end - measured.events.start).groupby("stream").d.sum().items()))
+        busy = ", ".join(f"{s} {sum(measured.busy_time(s).values()):.3f} s"
+                         for s in sorted(set(measured.events.stream)))
         print(f"last step {measured.iteration_time:.3f} s; busy per stream (all ranks): {busy}")
         if args.trace:
             print(f"wrote {measured.to_chrome_trace(args.trace)}")
