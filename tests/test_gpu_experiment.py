@@ -32,10 +32,21 @@ def test_quick_experiment_writes_every_table_and_the_figure(tmp_path):
     corr = pd.read_csv(res / "gpu_correctness.csv")
     assert len(corr) == 4 and (corr.max_rel_error < 1e-4).all() and (corr.moved_by_training > 1e-3).all()
     assert (res / "gpu_samples_per_s.png").stat().st_size > 10_000
-    # a second call resumes: nothing is measured again
+    # a second call resumes: nothing is measured again; one stage alone runs alone
     before = (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns
     assert main(args) == 0
+    assert main([*args, "--stages", "plan"]) == 0
     assert (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("bad, says", [(["--methods", "ours,foo"], "--methods: unknown foo"),
+                                       (["--caps", "abc"], "--caps: cannot read"),
+                                       (["--models", "gpt2-xl"], "--models: unknown gpt2-xl"),
+                                       (["--gpu", "nowhere", "--stages", "plan"], "profile folder")])
+def test_bad_input_is_one_line_and_exit_2(bad, says, tmp_path, capsys):
+    assert main(["--quick", "--device", "cpu", "--root", str(tmp_path), *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1
 
 
 def test_cached_model_build_has_the_same_weights_and_buffers(tmp_path):

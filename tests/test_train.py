@@ -303,3 +303,9 @@ def test_cli_run_writes_the_measured_trace_and_gantt(tmp_path, capsys):
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["args"]["task"].split(":")[1][0] for e in events if e["ph"] == "X"} >= {"F", "B", "I", "O"}
     assert png.stat().st_size > 10_000
+    # an output path that cannot be written is refused before any training
+    (tmp_path / "afile").write_text("")
+    assert main(["run", path, "--model", "gpt2-tiny", "--steps", "2", "--no-progress", "--trace",
+                 str(tmp_path / "afile" / "t.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--trace" in err and len(err.strip().splitlines()) == 1

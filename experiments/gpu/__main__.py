@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import signal
 import subprocess
@@ -38,11 +37,14 @@ import sys
 import time
 from pathlib import Path
 
+from harmony_opt.errors import HarmonyOptError, UsageError
 from harmony_opt.io import atomic_write_json
+from harmony_opt.units import parse_bytes
 
 GB = 10 ** 9
 METHODS = ("ours", "harmony", "naive-swap", "torch-offload", "deepspeed")
 PLAN_METHODS = ("ours", "harmony", "naive-swap")
+STAGES = ("probe", "profile", "plan", "train", "correct", "report")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +266,17 @@ def stage_report(P: Paths, workloads, caps, device_name: str) -> None:
 
 
 def main(argv=None) -> int:
+    """Bad input ends in one line and exit code 2, as the tool's own commands do."""
+    try:
+        return _main(argv)
+    except HarmonyOptError as e:
+        print(f"python -m experiments.gpu: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.gpu", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", default="probe,profile,plan,train,correct,report")
+    ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="tiny models and caps: the logic, in seconds (tests)")
     ap.add_argument("--root", default=".", help="where profiles/ and experiments/results/ are (default: here)")
@@ -287,20 +298,26 @@ def main(argv=None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("python -m experiments.gpu: no CUDA GPU here; use --device cpu (with --quick) to run the logic",
-              file=sys.stderr)
-        return 2
+        raise UsageError("no CUDA GPU here; use --device cpu (with --quick) to run the logic")
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     gpu = "h100" if "H100" in device_name else "h200" if "H200" in device_name else (
         "cpu" if args.device == "cpu" else device_name.split()[-1].lower())
     workloads = QUICK if args.quick else FULL
     if args.models:
         keep = set(args.models.split(","))
+        if keep - {w.model for w in workloads}:
+            raise UsageError(f"--models: unknown {', '.join(sorted(keep - {w.model for w in workloads}))}; this "
+                             f"experiment's models are {', '.join(w.model for w in workloads)}")
         workloads = tuple(w for w in workloads if w.model in keep)
-    caps = ([int(float(c) * GB) for c in args.caps.split(",")] if args.caps
+    caps = ([parse_bytes(f"{c.strip()}GB", "--caps") for c in args.caps.split(",")] if args.caps
             else [int(0.001 * GB), int(0.002 * GB)] if args.quick else [11 * GB, 24 * GB])
-    P = Paths(Path(args.root).resolve(), args.gpu or gpu)
+    methods = [m for m in args.methods.split(",") if m]
     stages = args.stages.split(",")
+    for option, given, valid in (("--methods", methods, METHODS), ("--stages", stages, STAGES)):
+        if set(given) - set(valid):
+            raise UsageError(f"{option}: unknown {', '.join(sorted(set(given) - set(valid)))}; "
+                             f"valid: {', '.join(valid)}")
+    P = Paths(Path(args.root).resolve(), args.gpu or gpu)
     log(f"device {device_name}; stages {stages}; root {P.root}")
     if "probe" in stages:
         stage_probe(P, args.device)
@@ -309,14 +326,13 @@ def main(argv=None) -> int:
     if "plan" in stages:
         stage_plan(P, workloads, caps, 2.0 if args.quick else args.time_limit)
     if "train" in stages:
-        stage_train(P, workloads, caps, args.device, args.steps, args.warmup, args.run_budget,
-                    [m for m in args.methods.split(",") if m])
+        stage_train(P, workloads, caps, args.device, args.steps, args.warmup, args.run_budget, methods)
     if "correct" in stages:
         stage_correct(P, args.device, args.quick)
     if "report" in stages:
         recorded = P.raw / "device.json"     # the GPU the runs were measured on, when reported elsewhere
-    stage_report(P, workloads, caps, json.loads(recorded.read_text())["device"] if recorded.exists() and
-                 args.device == "cpu" else device_name)
+        stage_report(P, workloads, caps, json.loads(recorded.read_text())["device"] if recorded.exists() and
+                     args.device == "cpu" else device_name)
     return 0
 
 

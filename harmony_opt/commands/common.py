@@ -1,6 +1,9 @@
 """Helpers shared by the subcommands."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from ..errors import ProfileError, UsageError
 
 
@@ -21,3 +24,26 @@ def plan_profile(plan, plan_path, override: str | None):
             raise
         raise ProfileError(f"{plan_path}: the plan's profile {name!r} is not a bundled profile or a folder here; "
                            f"pass --profile with the profile folder it was made from") from None
+
+
+def writable_folder(path: str, what: str | None = None) -> Path:
+    """Create the output folder now, so a bad path fails before a long measurement, not after."""
+    p, what = Path(path), what or f"-o {path}"
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{what}: {p} exists and is not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{what}: cannot create the folder {p} ({e.strerror or e})") from None
+    if not os.access(p, os.W_OK):
+        raise UsageError(f"{what}: the folder {p} is not writable")
+    return p
+
+
+def writable_file(path: str, option: str = "-o", example: str = "hardware.toml") -> Path:
+    """An output file's path, checked before the work that writes it: not a folder, in a writable one."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option} {path}: is a folder; give a file name such as {example}")
+    writable_folder(str(p.parent), f"{option} {path}")
+    return p

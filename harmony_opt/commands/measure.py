@@ -9,11 +9,10 @@
 from __future__ import annotations
 
 import ast
-import os
 import re
-from pathlib import Path
 
 from ..errors import HarmonyOptError, UsageError
+from .common import writable_file, writable_folder
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?::(\d+))?)?$")
 
@@ -51,7 +50,7 @@ def _profile(args):
     sizes = check_sizes(parse_microbatches(args.microbatch))
     overrides = parse_overrides(args.overrides)
     model_spec(args.model, **overrides)   # name and options checked before anything is created
-    out = _writable_folder(args.output)
+    out = writable_folder(args.output)
     model = build_model(args.model, seed=args.seed, **overrides)
     prof = profile_model(model, sizes, str(device), repeats=args.repeats, warmup=args.warmup,
                          progress=not args.no_progress, seed=args.seed)
@@ -71,7 +70,7 @@ def _probe(args):
     from ..probe import DEFAULT_SIZES, probe_hardware
     from ..units import fmt_bytes, parse_bytes
 
-    path = _writable_file(args.output)
+    path = writable_file(args.output)
     sizes = DEFAULT_SIZES if args.sizes is None else tuple(
         parse_bytes(s, "--sizes") for s in args.sizes.split(",") if s.strip())
     if not sizes or args.repeats < 1:
@@ -123,25 +122,3 @@ def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _writable_folder(path: str, what: str | None = None) -> Path:
-    """Create the output folder now, so a bad path fails before a long measurement, not after."""
-    p, what = Path(path), what or f"-o {path}"
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"{what}: {p} exists and is not a folder")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"{what}: cannot create the folder {p} ({e.strerror or e})") from None
-    if not os.access(p, os.W_OK):
-        raise UsageError(f"{what}: the folder {p} is not writable")
-    return p
-
-
-def _writable_file(path: str) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        raise UsageError(f"-o {path}: is a folder; give a file name such as hardware.toml")
-    _writable_folder(str(p.parent), f"-o {path}")
-    return p

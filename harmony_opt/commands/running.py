@@ -6,6 +6,7 @@ from pathlib import Path
 from ..errors import PlanError, UsageError
 from ..plan import Plan
 from ..units import fmt_bytes, parse_bytes
+from .common import writable_file
 
 
 def register(sub):
@@ -91,6 +92,9 @@ def _run(args):
         raise UsageError("--resume needs --checkpoint DIR")
     plan = Plan.load(args.plan)
     program = Program.load(args.program) if args.program else None
+    for option, path, example in (("--trace", args.trace, "trace.json"), ("--plot", args.plot, "gantt.png")):
+        if path:                # a bad output path fails now, not after the training
+            writable_file(path, option, example)
     model = _model(args.model)
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else None
     res = train(model, plan, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
