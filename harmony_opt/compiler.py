@@ -19,7 +19,9 @@ The lowering is a chain of pure passes:
    prefetched while the current one computes its last microbatches, each microbatch's
    input fetched one microbatch ahead (double buffering), the input of every backward
    pack stashed to host during the forward, activations and gradients passed between
-   packs through host memory on the same rank or by send/receive across ranks, and,
+   packs through host memory on the same rank or by send/receive across ranks (with
+   ``plan.gpu_handoff``, a gradient between two single-microbatch backward packs of one rank
+   stays where it is: the next pack reads the same device tensor), and,
    after each backward pack, dW swapped out and the pack's optimizer step on the CPU
    (or, with ``optimizer="gpu"``, state swapped in and the step on the device).
    Wherever producer and consumer microbatches differ (u_fwd != u_bwd), the tensor
@@ -165,6 +167,10 @@ class _Lowering:
         if self.sweep is not None:
             return (self.sweep[1],)
         return microbatch_rows(self.plan, "FWD" if self.modes[j] else "BWD", rank)
+
+    def kept(self, prod: Task, prod_rows: tuple[Rows, ...], cons: Task, cons_rows: tuple[Rows, ...]) -> bool:
+        """Whether the tensor ``prod`` hands to ``cons`` stays on their GPU (Plan.keeps_on_gpu)."""
+        return prod.rank == cons.rank and self.plan.keeps_on_gpu([n for _, n in prod_rows], [n for _, n in cons_rows])
 
     def shared(self, t: Task, other: Task | None) -> set[int]:
         """Layers of ``t`` that ``other`` (the neighbouring task on its rank) also runs."""
@@ -316,6 +322,10 @@ class _Lowering:
         rows = self.rows_b(r, j)
         M = len(rows)
         got_x, got_dy = [0], [0]
+        prod = None if crit else self.bwd[j + 1]
+        dy_kept = prod is not None and self.kept(prod, self.rows_b(prod.rank, j + 1), t, rows)
+        cons = self.bwd[j - 1] if a > 0 else None
+        dx_kept = cons is not None and self.kept(t, rows, cons, self.rows_b(cons.rank, j - 1))
 
         def fetch_input(k):
             if keep:
@@ -333,9 +343,8 @@ class _Lowering:
             return out + [_move(I, Tensor.T, self.R - 1, rows[k], k)]
 
         def fetch_dy(k):
-            if crit:
+            if crit or dy_kept:
                 return []
-            prod = self.bwd[j + 1]
             prod_rows = self.rows_b(prod.rank, j + 1)
             if prod.rank == r:
                 return [_move(I, Tensor.DY, b + 1, rows[k], k)]
@@ -348,8 +357,7 @@ class _Lowering:
             if not keep:
                 self.emit(r, _ins(C, None, t.pack, Stream.COMPUTE, rk, k))
             self.emit(r, _ins(B, Tensor.SA if keep else None, t.pack, Stream.COMPUTE, rk, k))
-            if a > 0:
-                cons = self.bwd[j - 1]
+            if a > 0 and not dx_kept:
                 self.emit(r, _move(O, Tensor.DX, a, rk, k) if cons.rank == r
                           else self.send(r, Tensor.DX, a, rk, k, cons.rank))
             frees = [_free(Tensor.SA, t.pack, rk, k)]
@@ -357,7 +365,7 @@ class _Lowering:
                 frees.append(_free(Tensor.X if crit else Tensor.SX, (a, a), rk, k))
             frees.append(_free(Tensor.T, (self.R - 1, self.R - 1), rk, k) if crit
                          else _free(Tensor.DY, (b + 1, b + 1), rk, k))
-            if a > 0:
+            if a > 0 and not dx_kept:
                 frees.append(_free(Tensor.DX, (a, a), rk, k))
             self.emit(r, *frees)
         self._finish_bwd(t)

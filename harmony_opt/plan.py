@@ -12,6 +12,14 @@ Per backward pack, ``options`` choose recompute (keep only the pack's input from
 forward, recompute the rest) or stash (keep every activation the backward needs, in
 host memory), and whether the optimizer step runs on the CPU or on the GPU.
 
+``gpu_handoff`` (off by default, and off in Harmony's plans): the activation gradient passed
+between two consecutive backward packs on one GPU stays on that GPU when both run the same
+single microbatch, instead of Harmony's round trip through host memory (swapped out by one
+pack and back in by the next). With several microbatches the producer's whole group would
+have to stay resident, so those still go through host memory. Forward activations always do:
+a forward pack holds its memory until its stashed inputs have left for host memory, so
+starting the next pack earlier only makes the one after wait for memory (measured on vgg416).
+
 Plans are JSON with a ``version`` field (``to_json`` / ``from_json``); loading checks
 every field and names the one that is wrong.
 """
@@ -73,6 +81,7 @@ class Plan:
     prefetch: bool = True
     input_batch_grouping: bool = True       # False: every microbatch sweeps all packs (naive swapping)
     allow_uneven: bool = False              # microbatch sizes need not divide the batch
+    gpu_handoff: bool = False               # keep single-microbatch gradient handoffs on one GPU (keeps_on_gpu)
     cost_model: str = "default"
     memory_cap: int | None = None
     profile: dict = dataclasses.field(default_factory=dict)    # {"name", "identity"}
@@ -103,6 +112,12 @@ class Plan:
         """Microbatch sizes of a phase on a rank, in order."""
         u = self.microbatch_fwd if phase.upper() == "FWD" else self.microbatch_bwd
         return split_microbatches(self.samples_per_gpu()[rank], u)
+
+    def keeps_on_gpu(self, sent, received) -> bool:
+        """Whether a gradient handed between two consecutive backward tasks of one GPU, whose
+        microbatch sizes are ``sent`` (producer) and ``received`` (consumer), stays on the GPU
+        (see ``gpu_handoff``)."""
+        return self.gpu_handoff and len(sent) == 1 and tuple(sent) == tuple(received)
 
     def option(self, bwd_index: int) -> PackOptions:
         return self.options[bwd_index]
@@ -211,6 +226,7 @@ class Plan:
             "prefetch": self.prefetch,
             "input_batch_grouping": self.input_batch_grouping,
             "allow_uneven": self.allow_uneven,
+            "gpu_handoff": self.gpu_handoff,
             "cost_model": self.cost_model,
             "memory_cap": self.memory_cap,
             "profile": self.profile,
@@ -260,7 +276,7 @@ class Plan:
                 raise PlanError(f"{source}: field options[{i}] must be an object with recompute and optimizer")
             parsed.append(PackOptions(recompute=o.get("recompute", True), optimizer=o.get("optimizer", "cpu")))
         kw["options"] = tuple(parsed)
-        for k in ("prefetch", "input_batch_grouping", "allow_uneven"):
+        for k in ("prefetch", "input_batch_grouping", "allow_uneven", "gpu_handoff"):
             if k in d:
                 if not isinstance(d[k], bool):
                     raise PlanError(f"{source}: field {k} must be true or false")

@@ -251,7 +251,7 @@ class LayerBytes:
             return self.buffers[key[1]]
         if kind == "K":
             return self.optimizer[key[1]]
-        if kind in ("X", "sX", "dX", "dY"):
+        if kind in ("X", "sX", "dX"):
             return int(self.input[key[1]] * key[3])
         if kind == "T":
             return int(self.target * key[2])
@@ -297,6 +297,11 @@ def _host_per_layer(kind: str, ins: Instr) -> tuple[HostRef, ...]:
     return tuple(((kind, l), None) for l in ins.layer_range)
 
 
+#: One device key per boundary for a pack's output and the next pack's input (Y is X, dY is dX), so a
+#: tensor handed on within one GPU (Plan.gpu_handoff) is read where it was written.
+_DEVICE_NAME = {Tensor.Y: "X", Tensor.DY: "dX"}
+
+
 def _act(kind: str, layer: int, ins: Instr) -> Key:
     return (kind, layer, ins.offset, ins.size)
 
@@ -309,8 +314,9 @@ def _host_act(kind: str, layer: int) -> tuple:
 def effects(ins: Instr, num_layers: int) -> Effects:
     """What ``ins`` reads, allocates, updates and frees on the device, and reads and writes on the host.
 
-    Device keys: ``(W|B|K|dW, layer)``, ``(X|sX|dX|dY, boundary, first, size)``,
-    ``(T, first, size)`` and ``(G, a, b, first, size)`` (a pack's autograd graph).
+    Device keys: ``(W|B|K|dW, layer)``, ``(X|sX|dX, boundary, first, size)`` (Y is the next
+    pack's X, dY the previous pack's dX), ``(T, first, size)`` and ``(G, a, b, first, size)``
+    (a pack's autograd graph).
     """
     k, t, (a, b) = ins.kind, ins.tensor, ins.layers
     rows = ins.rows
@@ -323,7 +329,7 @@ def effects(ins: Instr, num_layers: int) -> Effects:
         if t is Tensor.SA:
             return Effects(allocs=(("G", a, b) + rows,), host_reads=((("sA", a), rows),))
         if t is Tensor.DY:
-            return Effects(allocs=(_act("dY", a, ins),), host_reads=((("dX", a), rows),))
+            return Effects(allocs=(_act("dX", a, ins),), host_reads=((("dX", a), rows),))
         return Effects(allocs=(_act(t.value, a, ins),), host_reads=((_host_act(t.value, a), rows),))
     if k is Kind.SWAP_OUT:
         if t is Tensor.DW and ins.mb:       # a later naive-swap sweep adds to the host gradients
@@ -332,12 +338,12 @@ def effects(ins: Instr, num_layers: int) -> Effects:
         if t in (Tensor.W, Tensor.B, Tensor.K, Tensor.DW):
             return Effects(reads=_per_layer(t.value, ins), host_writes=_host_per_layer(t.value, ins))
         if t in (Tensor.DX, Tensor.DY):
-            return Effects(reads=(_act(t.value, a, ins),), host_writes=((("dX", a), rows),))
+            return Effects(reads=(_act("dX", a, ins),), host_writes=((("dX", a), rows),))
         return Effects(reads=(_act("X", a, ins),), host_writes=(((("sX" if t is Tensor.SX else "X"), a), rows),))
     if k is Kind.SEND:
         return Effects(reads=(_act("dX" if t is Tensor.DX else "X", a, ins),))
     if k is Kind.RECV:
-        return Effects(allocs=(_act("dY" if t is Tensor.DY else "X", a, ins),))
+        return Effects(allocs=(_act("dX" if t is Tensor.DY else "X", a, ins),))
     if k is Kind.FWD:
         host = ((("sA", a), rows),) if t is Tensor.SA else ()
         return Effects(reads=(_act("X", a, ins),) + _per_layer("W", ins), allocs=(_act("X", b + 1, ins),),
@@ -347,7 +353,7 @@ def effects(ins: Instr, num_layers: int) -> Effects:
         reads = (_act("X" if crit else "sX", a, ins),) + _per_layer("W", ins) + ((("T",) + rows,) if crit else ())
         return Effects(reads=reads, allocs=(("G", a, b) + rows,), updates=_per_layer("B", ins))
     if k is Kind.BWD:
-        reads = (("G", a, b) + rows,) + _per_layer("W", ins) + ((_act("dY", b + 1, ins),) if b < last else ())
+        reads = (("G", a, b) + rows,) + _per_layer("W", ins) + ((_act("dX", b + 1, ins),) if b < last else ())
         dx = (_act("dX", a, ins),) if a > 0 else ()
         dw = _per_layer("dW", ins)
         return Effects(reads=reads, allocs=dx + (dw if ins.mb == 0 else ()), updates=() if ins.mb == 0 else dw)
@@ -365,7 +371,7 @@ def effects(ins: Instr, num_layers: int) -> Effects:
             return Effects(frees=(("G", a, b) + rows,))
         if t is Tensor.T:
             return Effects(frees=(("T",) + rows,))
-        return Effects(frees=(_act("X" if t is Tensor.Y else t.value, a, ins),))
+        return Effects(frees=(_act(_DEVICE_NAME.get(t, t.value), a, ins),))
     raise ProgramError(f"instruction {ins}: unknown kind {k!r}")
 
 
@@ -455,6 +461,8 @@ def plan_identity(plan) -> str:
     """Hash of what fixes a Program: mode, GPUs, batch, microbatches, packs, options, layers."""
     d = plan.to_dict()
     core = {k: d[k] for k in ("mode", "gpus", "batch", "microbatch", "packs", "options", "num_layers", "prefetch")}
+    if plan.gpu_handoff:        # only when set, so the programs of earlier plans keep their identity
+        core["gpu_handoff"] = True
     return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
 

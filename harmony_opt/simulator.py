@@ -218,8 +218,12 @@ class _Expansion:
             self.sent[(x_in.peer, node.task, SOURCE_TENSOR[x_in.tensor])]
         sx_src = [(self.sent[(f.peer, node.task, Tensor.SX)], f.needs) for f in sx_in]
         dy_src = None if dy_in is None else self.sent[(dy_in.peer, node.task, Tensor.DX)]
-        outs = [(f, f.tensor.value, f.medium == Medium.P2P, self.sent.setdefault((node.task, f.peer, f.tensor), []))
+        outs = [(f, f.tensor.value, f.medium, self.sent.setdefault((node.task, f.peer, f.tensor), []))
                 for f in node.outputs if f.tensor in (Tensor.SX, Tensor.Y, Tensor.DX)]
+        # a gradient kept on the GPU (one microbatch, Plan.keeps_on_gpu): the producer keeps it reserved past
+        # its end, the consumer finds it there and frees it with its own working set
+        kept_out = sum(f.nbytes[0] for f, _, medium, _ in outs if medium == Medium.PIN)
+        kept_in = sum(f.nbytes[0] for f in (x_in, dy_in) if f is not None and f.medium == Medium.PIN)
         computes, task_outputs = [], []
         recompute = fwd or plan.options[node.bwd_index].recompute
         durations: dict[int, float] = {}
@@ -247,11 +251,14 @@ class _Expansion:
                     dur = max(dur, 0.0)
                 durations[u] = dur
             cdeps = in_dep + [w_in] + ([computes[-1]] if computes else [])
-            comp = self.add(r, "compute", phase, node, i, dur, 0, cdeps, alloc=(mem - wb) if i == 0 else 0)
+            comp = self.add(r, "compute", phase, node, i, dur, 0, cdeps, alloc=(mem - wb - kept_in) if i == 0 else 0)
             computes.append(comp)
             # -- outputs of microbatch i
-            for f, kind, p2p, sent in outs:
-                if p2p:
+            for f, kind, medium, sent in outs:
+                if medium == Medium.PIN:
+                    sent.append(comp)
+                    continue
+                if medium == Medium.P2P:
                     ev = self.p2p(r, kind, node, i, f.nbytes[i], [comp], f.peer)
                 else:
                     ev = self.d2h(r, kind, node, i, f.nbytes[i], [comp], peer=f.peer)
@@ -263,15 +270,15 @@ class _Expansion:
             task_outputs.append(done)
         # the task's memory is released when its last event ends
         end = self.add(r, "free", "free", node, len(node.microbatches) - 1, 0.0, 0, [computes[-1]] + task_outputs)
-        self.events[end].free_after = [mem]
+        self.events[end].free_after = [mem - kept_out]
         last_on_rank[r] = {"first_compute": computes[0], "end_marker": end}
 
     def _receive(self, node: TaskNode, f, sent: list[int], i: int, buffer_deps: list) -> int:
         """The event after which activation input ``f`` (X or dY) of microbatch ``i`` is on this GPU: the
-        sender's P2P transfer, or a swap-in after the producer's swap-out (SWP, MSG); ``sent``: the
-        producer's events for this task, per microbatch."""
+        sender's P2P transfer, the producer's compute (PIN), or a swap-in after the producer's swap-out
+        (SWP, MSG); ``sent``: the producer's events for this task, per microbatch."""
         src = sent[f.needs[i][-1]]
-        if f.medium == Medium.P2P:
+        if f.medium in (Medium.P2P, Medium.PIN):
             return src
         return self.h2d(node.rank, f.tensor.value, node, i, f.nbytes[i], [src] + buffer_deps)
 

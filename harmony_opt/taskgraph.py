@@ -358,11 +358,12 @@ class _Composer:
                                         int(prof.optimizer_bytes(a, b)))
         return v
 
-    def medium(self, src: int, dst: int, rebatch: bool = False) -> Medium:
-        """An activation between two tasks: swapped on the same GPU, else P2P if there is a GPU link and
-        the microbatches match, else through host memory."""
+    def medium(self, src: int, dst: int, rebatch: bool = False, sizes=((), ())) -> Medium:
+        """An activation between two tasks: on the same GPU, kept there (a gradient between backward
+        packs, Plan.keeps_on_gpu of the producer's and consumer's microbatch ``sizes``) or swapped;
+        else P2P if there is a GPU link and the microbatches match, else through host memory."""
         if src == dst:
-            return Medium.SWP
+            return Medium.PIN if self.plan.keeps_on_gpu(*sizes) else Medium.SWP
         if rebatch or not self.hw.p2p_bandwidth > 0:
             return Medium.MSG
         return Medium.P2P
@@ -421,12 +422,12 @@ class _Composer:
                          self.key(self.order[fi]), self.needs_b)
                     for fi, lo, hi in self.pieces_b[bi]]
             prev = self.order[p.index - 2]      # the backward before this one (its update lies between)
-            ins.append(Flow(Tensor.DY, (b, b), self.medium(self.rank(prev), r),
+            ins.append(Flow(Tensor.DY, (b, b), self.medium(self.rank(prev), r, sizes=(ub, ub)),
                             self.per_mb("BWD", ub, lambda c: c.input[b + 1]), self.key(prev), self.same_b))
         outs = []
         if a > 0:
             nxt = self.order[p.index + 2]
-            outs.append(Flow(Tensor.DX, (a, a), self.medium(r, self.rank(nxt)),
+            outs.append(Flow(Tensor.DX, (a, a), self.medium(r, self.rank(nxt), sizes=(ub, ub)),
                              self.per_mb("BWD", ub, lambda c: c.input[a]), self.key(nxt)))
         w, n = self.static(a, b)[0], self.replicas
         upd = self.order[p.index + 1]

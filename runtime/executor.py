@@ -546,7 +546,7 @@ class Executor:
         graph: PackGraph = self.table.get(e.reads[0], ins)
         if graph.saved is not None:
             graph.weights = lambda layer, n: self.table.get(("W", layer), ins)[n]
-        dy = self.table.get(("dY", b + 1, ins.offset, ins.size), ins) if b < self.R - 1 else None
+        dy = self.table.get(e.reads[-1], ins) if b < self.R - 1 else None
         grads = graph.gradients(dy)
         out = {}
         if a > 0:

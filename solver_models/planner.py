@@ -71,6 +71,8 @@ class PlannerOptions:
     hint: bool = True               # warm start from Harmony's search
     options: bool = True            # search per-pack recompute/stash and CPU/GPU optimizer (off in harmony_space)
     cost_model: str = "default"     # the simulator that judges candidates: default | harmony
+    gpu_handoff: bool = True        # keep single-microbatch handoffs on the GPU (Plan.gpu_handoff; not in
+                                    # Harmony's space or under Harmony's cost model, which has no such rule)
 
 
 class Budget:
@@ -214,6 +216,7 @@ class _Candidate:
     how: str                        # "dp", "balanced", "search", "cp-sat": what found the sequence
     solve: object = None            # cpsat.SolveResult where CP-SAT ran
     proof: str | None = None        # "dp" where the DP proved the sequence optimal for the model
+    handoff: bool = False           # its plans keep gradients on the GPU (Plan.gpu_handoff)
 
 
 @dataclasses.dataclass
@@ -232,6 +235,15 @@ class _Search:
     @property
     def options(self) -> bool:          # per-pack options searched at all
         return self.opts.options and not self.opts.harmony_space
+
+    def handoff(self, cfg: Config) -> bool:
+        """Whether plans of ``cfg`` may keep gradients on the GPU (Plan.gpu_handoff): one GPU runs
+        the whole chain and a backward pack holds one microbatch (not in Harmony's space or under
+        Harmony's cost model, which has no such rule)."""
+        if not self.opts.gpu_handoff or self.opts.harmony_space or self.opts.cost_model != "default":
+            return False
+        shares = [self.batch] if cfg.mode == "vPP" else data_shares(self.batch, cfg.gpus)
+        return cfg.ranks == 1 and any(len(split_microbatches(n, cfg.u_bwd)) == 1 for n in shares)
 
     @property
     def stash(self) -> bool:            # stash variants offered (coupled memory: small models only)
@@ -258,7 +270,8 @@ class _Search:
         f, b, o = packs_of(c.tasks, seq)
         return Plan("cp-sat", c.cfg.mode, c.cfg.gpus, self.batch, c.cfg.u_fwd, c.cfg.u_bwd, f, b,
                     c.tasks.num_layers, options=tuple(PackOptions(r, "gpu" if g else "cpu") for r, g in o),
-                    allow_uneven=self.opts.uneven, memory_cap=self.cap, cost_model=self.opts.cost_model, **self.ident)
+                    allow_uneven=self.opts.uneven, gpu_handoff=c.handoff, memory_cap=self.cap,
+                    cost_model=self.opts.cost_model, **self.ident)
 
     def judge(self, plan_: Plan) -> float:
         """Simulated iteration time (inf if the simulator rejects the plan), charged to the budget."""
@@ -428,9 +441,42 @@ def _judge_candidates(S: _Search, found: list[_Candidate], incumbent: Plan | Non
         S.say(f"simulated {c.cfg} ({c.how}): {t:.4f} s (model {c.value:.4f} s)" + ("  <- best" if t < best_t else ""))
         if t < best_t:
             best_plan, best_t, best_c = cand, t, c
+        if S.handoff(c.cfg):
+            kept = cand.replace(gpu_handoff=True)
+            t = S.judge(kept)
+            S.say(f"simulated {c.cfg} ({c.how}), gradients kept on the GPU: {t:.4f} s"
+                  + ("  <- best" if t < best_t else ""))
+            if t < best_t:
+                best_plan, best_t, best_c = kept, t, c
     if best_plan is None:
         raise S.infeasible()
+    if best_c is not None:
+        best_c.handoff = best_plan.gpu_handoff
     return best_plan, best_t, best_c
+
+
+def _with_handoff(S: _Search, c: _Candidate, cheap_bound: float) -> None:
+    """The model of ``c``'s configuration with gradients kept on the GPU (tasks.py), for a candidate
+    whose plan keeps them: its value there, and a bound valid for that model: the cheap bound, or the
+    DP's optimum where no stash variant could beat it. The search itself ran on the model without
+    (it describes the simulator more closely where many backward packs stash inputs during the
+    forward, which the kept handoffs would otherwise make cheap; docs/planner.md)."""
+    stash = bool((~c.tasks.table.recompute).any())
+    tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=stash, cuts=c.tasks.cuts,
+                        gpu_handoff=True)
+    idx = tasks.table.index()
+    seq = [idx[c.tasks.table.key(k)] for k in c.seq]
+    c.tasks, c.seq, c.value, c.bound, c.proof, c.solve = tasks, seq, evaluate(tasks, seq), cheap_bound, None, None
+    c.how = f"{c.how}, gradients kept on the GPU"
+    if not S.stash:
+        plain = tasks if not stash else build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options,
+                                                    stash=False, cuts=c.tasks.cuts, gpu_handoff=True)
+        S.budget.spend(Budget.PER_NODE * 2 * plain.num_layers + Budget.PER_PAIR * dp.pairs(plain))
+        r = dp.solve_chain(plain)
+        if r is not None:
+            c.bound = max(c.bound, r[0])
+            if c.value <= r[0] + 1e-9:
+                c.proof = "dp"
 
 
 def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float) -> tuple[Plan, float]:
@@ -529,12 +575,17 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     best_plan, best_t, best_c = _judge_candidates(S, found, incumbent)                    # 4
     if best_c is not None:
         best_plan, best_t = _polish(S, best_c, best_plan, best_t)                          # 5
+        if best_c.handoff:
+            _with_handoff(S, best_c, bounds[best_c.cfg])
     timeline = _timeline(S, best_plan)                                                     # 6
 
     conf = _configuration_report(S, best_c)
     # the bound over the searched space: every evaluated configuration's own bound and the cheap
-    # bound of those not reached (none where the model does not describe the judging simulator)
-    space_bound = min([c.bound for c in found] + [open_bound]) if opts.cost_model == "default" else None
+    # bound of those not reached (none where the model does not describe the judging simulator);
+    # a configuration whose plans may keep gradients on the GPU was searched on the model without,
+    # so only its cheap bound holds for them
+    space_bound = min([c.bound if c.handoff or not S.handoff(c.cfg) else min(c.bound, bounds[c.cfg])
+                       for c in found] + [open_bound]) if opts.cost_model == "default" else None
     if best_c is not None:
         model_value = best_c.value
     else:                                  # Harmony's plan won: its value on our model, if representable
@@ -568,7 +619,7 @@ def _model_value_of(p: Plan, profile, hw, batch, cap) -> float | None:
     cfg = Config.of(p)
     try:        # a plan without forward packs may name a forward size that is not profiled
         tasks = build_tasks(profile, hw, batch, cfg, cap, gpu_opt=True, stash=False,
-                            cuts=candidate_cuts(profile, cfg.u_bwd, keep=pack_starts(p)))
+                            cuts=candidate_cuts(profile, cfg.u_bwd, keep=pack_starts(p)), gpu_handoff=p.gpu_handoff)
         seq = sequence_of_plan(tasks, p)
     except (KeyError, HarmonyOptError):
         return None

@@ -207,10 +207,13 @@ def enumerate_packs(max_end: np.ndarray, lo: int, hi: int, cuts: np.ndarray,
 
 
 def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, *,
-                gpu_opt: bool = True, stash: bool = True, cuts: np.ndarray | None = None) -> Tasks:
+                gpu_opt: bool = True, stash: bool = True, cuts: np.ndarray | None = None,
+                gpu_handoff: bool = False) -> Tasks:
     """Every candidate task of ``cfg`` with its costs (see the module docstring): backward packs
     with the optimizer step on the GPU where ``gpu_opt``, with stashed activations where ``stash``
-    (and the model has at most MAX_LAYERS_WITH_STASH layers)."""
+    (and the model has at most MAX_LAYERS_WITH_STASH layers); with ``gpu_handoff`` (Plan.gpu_handoff)
+    a chain's handoffs between single-microbatch tasks take no time and no link (memory rules
+    unchanged: a task's working set already holds the one tensor kept)."""
     R = profile.num_layers
     cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
     share = batch if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)[0]
@@ -223,6 +226,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     # but by then the others' ways back are done, so its own way back runs alone
     bw_back = bw_in * copies
     p2p = hw.p2p_bandwidth if (not chain and hw.p2p_bandwidth > 0) else 0.0
+    # activation gradients kept on the GPU between backward packs (Plan.keeps_on_gpu)
+    pin_b = gpu_handoff and chain and len(ub_list) == 1
     replicas = n if cfg.mode == "vDP" and n > 1 and hw.p2p_bandwidth > 0 else 1
     cf, cb = profile.costs("FWD", cfg.u_fwd), profile.costs("BWD", cfg.u_bwd)
     cf_first, cf_last = profile.costs("FWD", uf_list[0]), profile.costs("FWD", uf_list[-1])
@@ -292,9 +297,9 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
             hop = np.where(s == 0, x_in / bw_in,
                            y_src / bw_out + x_in / bw_back if (rebatch or p2p == 0) else y_src / p2p)
         else:
-            hop = handoff(x_in, x_in) + hop_extra
+            hop = (0.0 if pin_b else handoff(x_in, x_in)) + hop_extra
         # outputs: dX of the last microbatch to the next backward pack; weight gradients
-        dx = np.where(s > 0, send(cb_last.input[s]), 0.0)
+        dx = np.where(s > 0, 0.0 if pin_b else send(cb_last.input[s]), 0.0)
         ard = 2 * (n - 1) / n * w / hw.p2p_bandwidth if replicas > 1 else np.zeros(len(s))
         if gpu_opt:
             step = (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth
@@ -314,8 +319,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         if kind == C:
             stash_in = np.where((s == 0) | via_host | rebatch, total("BWD", ub_list, lambda c: c.input[s]), 0)
             stash_out = np.zeros(len(s))
-        dy_all = total("BWD", ub_list, lambda c: c.input[e + 1]) if kind == B else 0
-        dx_all = np.where(s > 0, total("BWD", ub_list, lambda c: c.input[s]), 0)
+        dy_all = total("BWD", ub_list, lambda c: c.input[e + 1]) if kind == B and not pin_b else 0
+        dx_all = np.where(s > 0, total("BWD", ub_list, lambda c: c.input[s]), 0) if not pin_b else 0
         h2d = wbb + (k_opt if gpu_opt else 0) + stash_in + (dy_all if via_host else 0)
         d2h = grads + stash_out + np.where(via_host, dx_all, 0)
         return _table(kind, s, e, recompute, gpu_opt, p_first=p_first, p_last=p_last, load=load, hop_in=hop,

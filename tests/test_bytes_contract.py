@@ -44,6 +44,8 @@ def _plans(R: int) -> dict[str, tuple[Plan, float]]:
         "naive swapping": (Plan(mode="vDP", gpus=1, batch=8, microbatch_fwd=2, microbatch_bwd=2,
                                 packs_fwd=tuple((l, l) for l in range(R - 1)), packs_bwd=tuple((l, l) for l in range(R)),
                                 input_batch_grouping=False, **base), 0.01),
+        "one microbatch, handoffs kept on the GPU": (Plan(mode="vDP", gpus=1, batch=4, microbatch_fwd=4,
+                                                          microbatch_bwd=4, gpu_handoff=True, **three, **base), 0.01),
         "stashed pack, GPU optimizer": (Plan(mode="vPP", gpus=1, batch=8, microbatch_fwd=4, microbatch_bwd=2,
                                              options=(NO_RC, GPU_OPT, PackOptions()), **three, **base), 0.10),
     }

@@ -216,7 +216,7 @@ def plans(draw):
     uf = draw(st.integers(1, share))
     return make_plan(mode=mode, gpus=gpus, batch=batch, uf=uf, ub=uf if naive else draw(st.integers(1, share)),
                      fwd=fwd, bwd=bwd, R=R, options=options, allow_uneven=True, prefetch=draw(st.booleans()),
-                     input_batch_grouping=not naive)
+                     input_batch_grouping=not naive, gpu_handoff=draw(st.booleans()))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -249,6 +249,22 @@ def test_every_compiled_program_validates(plan):
         assert total["AdW"] == plan.gpus * len(plan.packs_bwd) * sweeps     # every sweep's gradients
     assert sum(stats.instructions) == sum(total.values())
     assert n_tasks <= sum(1 for ins in program.ranks for x in ins if x.kind in (Kind.FWD, Kind.BWD))
+
+
+def test_gpu_handoff_keeps_single_microbatch_gradients_on_the_gpu():
+    kept = make_plan(mode="vDP", batch=4, uf=4, ub=4, fwd=((0, 0), (1, 2)), bwd=((0, 1), (2, 2), (3, 5)),
+                     gpu_handoff=True)
+
+    def moves(plan):
+        program = compile_plan(plan, layer_bytes=sizes(6))
+        validate_program(program)
+        return {(x.kind, x.tensor, x.layers[0]) for x in program.ranks[0] if x.kind in (Kind.SWAP_IN, Kind.SWAP_OUT)}
+    host = moves(kept.replace(gpu_handoff=False))
+    gradients = {(Kind.SWAP_OUT, Tensor.DX, 3), (Kind.SWAP_IN, Tensor.DY, 3), (Kind.SWAP_OUT, Tensor.DX, 2),
+                 (Kind.SWAP_IN, Tensor.DY, 2)}
+    assert gradients <= host and host - moves(kept) == gradients      # activations still go through host
+    # two backward microbatches: the gradients go through host memory too
+    assert moves(kept.replace(microbatch_bwd=2)) == moves(kept.replace(microbatch_bwd=2, gpu_handoff=False))
 
 
 # -- the validator catches broken programs --------------------------------------------------------------
@@ -339,7 +355,7 @@ def test_effects_name_what_moves():
     e = effects(Instr.from_str("3:IsX[2-2]#1(2+2)@i"), 6)
     assert e.allocs == (("sX", 2, 2, 2),) and e.host_reads == ((("sX", 2), (2, 2)),)
     e = effects(Instr.from_str("4:B[2-3]#0(0+2)@c"), 6)
-    assert ("dY", 4, 0, 2) in e.reads and ("dX", 2, 0, 2) in e.allocs and ("dW", 3) in e.allocs
+    assert ("dX", 4, 0, 2) in e.reads and ("dX", 2, 0, 2) in e.allocs and ("dW", 3) in e.allocs
     e = effects(Instr(5, Kind.UPD, (0, 1), Stream.CPU), 6)
     assert e.host_reads == ((("dW", 0), None), (("dW", 1), None))
 

@@ -108,6 +108,11 @@ CASES = {
     "gpt2-vpp-ufwd2-ubwd1-stash-adam": ("gpt2", plan("vPP", 1, 4, 2, 1, [(0, 2), (3, 4)],
                                                      [(0, 2), (3, 4), (5, 7)], 8, (NO_RC, NO_RC, NO_RC)), ADAM),
     "gpt2-vdp-recompute-sgd": ("gpt2", plan("vDP", 1, 4, 4, 2, [(0, 4)], [(0, 1), (2, 4), (5, 7)], 8), SGD),
+    # handoffs kept on the GPU (one microbatch per phase: all of them; two forward microbatches: backward only)
+    "mlp-vdp-gpu-handoff-stash-adam": ("mlp", plan("vDP", 1, 4, 4, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6,
+                                                   (NO_RC, GPU_OPT, PackOptions()), gpu_handoff=True), ADAM),
+    "gpt2-vdp-gpu-handoff-ufwd2-sgd": ("gpt2", plan("vDP", 1, 4, 2, 4, [(0, 2), (3, 4)], [(0, 1), (2, 4), (5, 7)], 8,
+                                                    gpu_handoff=True), SGD),
     # two ranks: one process each (kept few: starting processes is the slow part; GPT-2 first, so the
     # fork server starts once, with transformers imported, and the MLP runs reuse it)
     "gpt2-vpp-2ranks-stash-send-adam": ("gpt2", plan("vPP", 2, 4, 2, 1, [(0, 2), (3, 4)],
@@ -118,6 +123,8 @@ CASES = {
                                               (NO_RC, PackOptions(), GPU_OPT)), SGD),
     "mlp-vdp-2ranks-naive-swap-sgd": ("mlp", plan("vDP", 2, 8, 2, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6,
                                                   input_batch_grouping=False), SGD),
+    "mlp-vdp-2ranks-uneven-gpu-handoff-sgd": ("mlp", plan("vDP", 2, 7, 4, 4, [(0, 1), (2, 3)],
+                                                          [(0, 1), (2, 3), (4, 5)], 6, gpu_handoff=True), SGD),
     "mlp-vdp-2ranks-recompute-adam": ("mlp", plan("vDP", 2, 8, 2, 4, [(0, 1), (2, 3)], [(0, 0), (1, 3), (4, 5)],
                                                   6), ADAM),
 }

@@ -17,6 +17,8 @@ def test_json_roundtrip(tmp_path):
     p = good()
     q = Plan.load(p.save(tmp_path / "p.json"))
     assert q == p
+    h = good(gpu_handoff=True)
+    assert Plan.load(h.save(tmp_path / "h.json")) == h != p
     d = json.loads((tmp_path / "p.json").read_text())
     assert d["microbatch"] == {"fwd": 2, "bwd": 2} and d["packs"]["bwd"] == [[0, 1], [2, 3]]
 
@@ -50,3 +52,15 @@ def test_malformed_json_names_the_field(tmp_path):
 def test_uneven_microbatches_when_declared():
     p = good(microbatch_fwd=3, allow_uneven=True)
     assert p.microbatches("FWD") == [3, 3, 2]
+
+
+def test_gpu_handoff_applies_to_one_microbatch_on_each_side():
+    p = good(gpu_handoff=True)
+    assert p.keeps_on_gpu([4], [4])
+    assert not p.keeps_on_gpu([2, 2], [2, 2])      # the producer's whole group would stay resident
+    assert not p.keeps_on_gpu([4], [2, 2])          # re-batched: through host memory, where rows are cheap
+    assert not good().keeps_on_gpu([4], [4])        # off by default (Harmony's rule)
+    d = good().to_dict()
+    d["gpu_handoff"] = "yes"
+    with pytest.raises(PlanError, match="gpu_handoff must be true or false"):
+        Plan.from_dict(d)

@@ -207,3 +207,23 @@ def test_timeline_bound_holds_when_the_search_has_no_time():
     busiest = max(tl.busy_time("compute").values())
     assert busiest - 1e-5 <= starved.bound_s <= starved.simulated_s + 1e-6
     assert starved.bound_s <= full.makespan_s + 1e-6 and full.bound_s <= full.makespan_s + 1e-6
+
+
+def test_gradients_are_kept_on_the_gpu_where_that_is_faster():
+    """vgg416, D=32, vDP on 2 GPUs: one 16-sample backward microbatch per GPU, so the planner's
+    plan keeps each activation gradient on the GPU for the next backward pack; the report's
+    objective and bound describe the model with that handoff; off on request and in Harmony's space."""
+    from harmony_opt.compiler import compile_plan
+    from harmony_opt.program import validate_program
+    prof, hw = load_profile("vgg416"), get_hardware("1080ti-x4").with_gpus(2)
+    cap = 10 * 2**30
+    kept = plan(prof, hw, 32, PlannerOptions(mode="vDP", time_limit=3), memory_cap=cap)
+    host = plan(prof, hw, 32, PlannerOptions(mode="vDP", time_limit=3, gpu_handoff=False), memory_cap=cap)
+    assert kept.gpu_handoff and not host.gpu_handoff
+    assert kept.simulated_iteration_time_s < host.simulated_iteration_time_s
+    s = kept.solver
+    assert s["fidelity"] <= 0.03 and s["configuration"]["bound"] <= s["objective"] and s["bound"] <= s["objective"]
+    assert simulate(kept, prof, hw).iteration_time == kept.simulated_iteration_time_s
+    validate_program(compile_plan(kept))
+    assert not plan(prof, hw, 32, PlannerOptions(mode="vDP", gpus=2, time_limit=1, harmony_space=True),
+                    memory_cap=cap).gpu_handoff

@@ -53,7 +53,7 @@ def plans(draw):
                              optimizer=draw(st.sampled_from(["cpu", "gpu"] if gpu_step else ["cpu"])))
                  for _ in bwd)
     plan = Plan("test", mode, gpus, batch, uf, ub, fwd, bwd, R, options=opts, allow_uneven=True,
-                prefetch=draw(st.booleans()), input_batch_grouping=grouping)
+                prefetch=draw(st.booleans()), input_batch_grouping=grouping, gpu_handoff=draw(st.booleans()))
     return prof, plan, hw
 
 
@@ -101,6 +101,9 @@ def check_against_graph(sim, graph) -> int:
             if t in (Tensor.X, Tensor.DY, Tensor.SX):
                 for i, needs in enumerate(f["needs"]):
                     for k in needs:
+                        if m == Medium.PIN:     # kept on the GPU: no transfer, read once computed
+                            after(compute(v, i), compute(u, k), what)
+                            continue
                         sent = one(u, SOURCE_TENSOR[t].value, k, peer=v)
                         after(sent, compute(u, k), what + " (sent after it is computed)")
                         if m == Medium.P2P:
@@ -258,6 +261,26 @@ def test_naive_swap_moves_weights_per_microbatch():
     wg = simulate(grouped, prof, hw).events.query("kind == 'W'")["bytes"].sum()
     wn = simulate(naive, prof, hw).events.query("kind == 'W'")["bytes"].sum()
     assert wn == 4 * wg   # 8 samples / microbatch 2 = 4 sweeps
+
+
+def test_gpu_handoff_removes_the_gradients_round_trip_through_host_memory():
+    """One microbatch per backward pack on one GPU: with gpu_handoff each activation gradient
+    between consecutive backward packs stays on the GPU, so exactly those bytes leave the link."""
+    prof = synthetic_profile(R=6)
+    hw = get_hardware("1080ti-x4").with_gpus(1)
+    bwd = [(0, 1), (2, 3), (4, 5)]
+    host = Plan("t", "vDP", 1, 4, 2, 4, bwd[:-1], bwd, 6)
+    kept = host.replace(gpu_handoff=True)
+    a, b = simulate(host, prof, hw), simulate(kept, prof, hw)
+    moved = lambda tl, kind: tl.events.query(f"kind == '{kind}'")["bytes"].sum()
+    assert moved(b, "dX") == moved(b, "dY") == 0 and moved(a, "dX") == moved(a, "dY") > 0
+    assert moved(b, "Y") == moved(a, "Y") > 0          # activations still go through host memory
+    assert b.bytes_moved()["d2h"] == a.bytes_moved()["d2h"] - moved(a, "dX")
+    assert b.bytes_moved()["h2d"] == a.bytes_moved()["h2d"] - moved(a, "dY")
+    assert b.iteration_time < a.iteration_time
+    # two microbatches per backward pack: through host memory as before
+    two = host.replace(microbatch_bwd=2)
+    assert simulate(two.replace(gpu_handoff=True), prof, hw).iteration_time == simulate(two, prof, hw).iteration_time
 
 
 def test_invalid_plans_are_refused():

@@ -183,7 +183,7 @@ def small_plans(draw):
     uf = draw(st.integers(1, min(3, share)))
     ub = uf if not grouping else draw(st.integers(1, min(3, share)))
     plan = Plan("t", mode, gpus, 6, uf, ub, fwd, bwd, R, options=opts, allow_uneven=True,
-                input_batch_grouping=grouping)
+                input_batch_grouping=grouping, gpu_handoff=draw(st.booleans()))
     return plan, hw
 
 

@@ -34,6 +34,8 @@ def register(sub):
     p.add_argument("--harmony-space", action="store_true",
                    help="restrict to Harmony's decisions (u_fwd >= u_bwd, sizes dividing D, recompute, CPU optimizer)")
     p.add_argument("--uneven", action="store_true", help="allow microbatch sizes that do not divide the minibatch")
+    p.add_argument("--no-gpu-handoff", action="store_true",
+                   help="hand every gradient between backward packs through host memory, as Harmony does")
     p.add_argument("--no-compare", action="store_true", help="do not run the baselines after planning")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--quiet", action="store_true", help="do not print solver progress")
@@ -79,7 +81,8 @@ def _packers(text: str):
 
 def _describe(plan: Plan) -> str:
     return (f"{plan.mode} on {plan.gpus} GPU(s), microbatch fwd {plan.microbatch_fwd} / bwd {plan.microbatch_bwd}, "
-            f"{len(plan.packs_fwd)} forward + {len(plan.packs_bwd)} backward packs")
+            f"{len(plan.packs_fwd)} forward + {len(plan.packs_bwd)} backward packs"
+            + (", gradients kept on the GPU between backward packs" if plan.gpu_handoff else ""))
 
 
 def _show(df: pd.DataFrame, width: int = 40) -> str:
@@ -128,7 +131,7 @@ def _plan(args):
     profile, hw = _inputs(args)
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, seed=args.seed,
                           workers=args.workers, hint=not args.no_hint, harmony_space=args.harmony_space,
-                          uneven=args.uneven, cost_model=args.cost_model)
+                          uneven=args.uneven, cost_model=args.cost_model, gpu_handoff=not args.no_gpu_handoff)
     report = None if args.quiet else print
     p = plan(profile, hw, args.batch, opts, memory_cap=hw.gpu_memory_bytes, report=report)
     s = p.solver
