@@ -223,7 +223,7 @@ class _Expansion:
         # a gradient kept on the GPU (one microbatch, Plan.keeps_on_gpu): the producer keeps it reserved past
         # its end, the consumer finds it there and frees it with its own working set
         kept_out = sum(f.nbytes[0] for f, _, medium, _ in outs if medium == Medium.PIN)
-        kept_in = sum(f.nbytes[0] for f in (x_in, dy_in) if f is not None and f.medium == Medium.PIN)
+        kept_in = dy_in.nbytes[0] if dy_in is not None and dy_in.medium == Medium.PIN else 0
         computes, task_outputs = [], []
         recompute = fwd or plan.options[node.bwd_index].recompute
         durations: dict[int, float] = {}

@@ -71,8 +71,8 @@ class PlannerOptions:
     hint: bool = True               # warm start from Harmony's search
     options: bool = True            # search per-pack recompute/stash and CPU/GPU optimizer (off in harmony_space)
     cost_model: str = "default"     # the simulator that judges candidates: default | harmony
-    gpu_handoff: bool = True        # keep single-microbatch handoffs on the GPU (Plan.gpu_handoff; not in
-                                    # Harmony's space or under Harmony's cost model, which has no such rule)
+    gpu_handoff: bool = True        # may keep gradients between single-microbatch backward packs on the GPU
+                                    # (Plan.gpu_handoff; not in Harmony's space or under Harmony's cost model)
 
 
 class Budget:
@@ -468,11 +468,9 @@ def _with_handoff(S: _Search, c: _Candidate, cheap_bound: float) -> None:
     seq = [idx[c.tasks.table.key(k)] for k in c.seq]
     c.tasks, c.seq, c.value, c.bound, c.proof, c.solve = tasks, seq, evaluate(tasks, seq), cheap_bound, None, None
     c.how = f"{c.how}, gradients kept on the GPU"
-    if not S.stash:
-        plain = tasks if not stash else build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options,
-                                                    stash=False, cuts=c.tasks.cuts, gpu_handoff=True)
-        S.budget.spend(Budget.PER_NODE * 2 * plain.num_layers + Budget.PER_PAIR * dp.pairs(plain))
-        r = dp.solve_chain(plain)
+    if not S.stash:         # then the tasks have no stash variants, which the DP does not handle
+        S.budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
+        r = dp.solve_chain(tasks)
         if r is not None:
             c.bound = max(c.bound, r[0])
             if c.value <= r[0] + 1e-9:
@@ -584,7 +582,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     # bound of those not reached (none where the model does not describe the judging simulator);
     # a configuration whose plans may keep gradients on the GPU was searched on the model without,
     # so only its cheap bound holds for them
-    space_bound = min([c.bound if c.handoff or not S.handoff(c.cfg) else min(c.bound, bounds[c.cfg])
+    space_bound = min([c.bound if c.handoff or not S.handoff(c.cfg) else bounds[c.cfg]
                        for c in found] + [open_bound]) if opts.cost_model == "default" else None
     if best_c is not None:
         model_value = best_c.value

@@ -212,8 +212,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     """Every candidate task of ``cfg`` with its costs (see the module docstring): backward packs
     with the optimizer step on the GPU where ``gpu_opt``, with stashed activations where ``stash``
     (and the model has at most MAX_LAYERS_WITH_STASH layers); with ``gpu_handoff`` (Plan.gpu_handoff)
-    a chain's handoffs between single-microbatch tasks take no time and no link (memory rules
-    unchanged: a task's working set already holds the one tensor kept)."""
+    a chain's gradient handoffs between single-microbatch backward tasks take no time and no link
+    (memory rules unchanged: a task's working set already holds the one tensor kept)."""
     R = profile.num_layers
     cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
     share = batch if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)[0]

@@ -13,7 +13,8 @@ schedules the plan's actual events, the same ones the simulator plays
 * ``Cumulative`` for the host link: at most ``link_slots`` transfers per direction at
   once (per GPU when the link is not shared);
 * ``Cumulative`` for each GPU's memory: a task's weights are held from the start of
-  their swap-in, its working set from its first compute, both until its last event ends.
+  their swap-in, its working set from its first compute, both until its last event ends;
+  a gradient kept on the GPU from its producer's end until its consumer's (``reservations``).
 
 The simulator's own schedule is a feasible solution and is given as the hint, so the
 optimum is never later than the simulated time; the difference is how much a smarter
@@ -57,6 +58,29 @@ class TimelineResult:
         return max(0.0, (self.makespan_s - self.bound_s) / self.makespan_s)
 
 
+def reservations(ev) -> list[tuple[int, bool, int, int]]:
+    """The simulator's memory reservations as (event that makes it, whether from its start (else
+    from its end), event whose end releases it, bytes): a task's reservations last until its free
+    event; what that event keeps (a gradient kept on the GPU, Plan.gpu_handoff) is held from its
+    end until the rank's next free event that releases more than its task reserved."""
+    out, pending, kept = [], defaultdict(list), defaultdict(list)
+    for k, e in enumerate(ev):
+        if e.alloc:
+            pending[(e.rank, e.task)].append(k)
+        if e.free_after is None:
+            continue
+        made = pending.pop((e.rank, e.task), [])
+        out += [(a, True, k, ev[a].alloc) for a in made]
+        extra = sum(e.free_after) - sum(ev[a].alloc for a in made)     # > 0: releases what others kept
+        while extra > 0 and kept[e.rank]:
+            p, n = kept[e.rank].pop(0)
+            out.append((p, False, k, n))
+            extra -= n
+        if extra < 0:                                                   # keeps some of its own (or
+            kept[e.rank].append((k, -extra))                            # releases less than it took)
+    return out
+
+
 def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: float = 5.0, seed: int = 0,
                    workers: int = 1, report=None) -> TimelineResult:
     """Schedule ``plan``'s events optimally (up to ``time_limit`` deterministic seconds)."""
@@ -98,17 +122,15 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
         slots = hw.link_slots if hw.shared_host_link else 1
         if len(ks) > slots:
             m.add_cumulative([iv[k] for k in ks], [1] * len(ks), slots)
-    # memory: pair each task's reservations with the event that frees them
-    pending, held = defaultdict(list), defaultdict(list)
-    for k, e in enumerate(ev):
-        if e.alloc:
-            pending[(e.rank, e.task)].append(k)
-        if e.free_after:
-            for a in pending.pop((e.rank, e.task), []):
-                size = m.new_int_var(0, horizon, f"hold{a}")
-                m.add(size == end[k] - start[a])
-                m.add_hint(size, ticks(ev[k].start) + ticks(ev[k].duration) - ticks(ev[a].start))
-                held[e.rank].append((m.new_interval_var(start[a], size, end[k], f"h{a}"), ev[a].alloc))
+    # memory: each reservation from the start of the event that makes it to the end of the one that frees it
+    held = defaultdict(list)
+    for a, a_starts, k, nbytes in reservations(ev):
+        first = start[a] if a_starts else end[a]
+        size = m.new_int_var(0, horizon, f"hold{a}_{k}")
+        m.add(size == end[k] - first)
+        m.add_hint(size, ticks(ev[k].start) + ticks(ev[k].duration)
+                   - (ticks(ev[a].start) + (0 if a_starts else ticks(ev[a].duration))))
+        held[ev[k].rank].append((m.new_interval_var(first, size, end[k], f"h{a}_{k}"), nbytes))
     for rank, items in held.items():
         if sum(b for _, b in items) > cap:
             m.add_cumulative([i for i, _ in items], [int(b) for _, b in items], cap)

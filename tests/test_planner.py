@@ -227,3 +227,30 @@ def test_gradients_are_kept_on_the_gpu_where_that_is_faster():
     validate_program(compile_plan(kept))
     assert not plan(prof, hw, 32, PlannerOptions(mode="vDP", gpus=2, time_limit=1, harmony_space=True),
                     memory_cap=cap).gpu_handoff
+
+
+@pytest.mark.parametrize("handoff", [False, True])
+def test_timeline_model_reserves_the_memory_the_simulator_does(handoff):
+    """Replayed at the simulated times, the timeline model's memory reservations are the
+    simulator's memory curve, gradients kept on the GPU included."""
+    from harmony_opt.plan import Plan
+    from harmony_opt.simulator import _Expansion
+    from harmony_opt.timeline import memory_steps
+    from solver_models.timeline import reservations
+    prof, hw = synthetic_profile(R=6), get_hardware("1080ti-x4").with_gpus(2)
+    bwd = [(0, 1), (2, 3), (4, 5)]
+    p = Plan("t", "vDP", 2, 8, 2, 4, bwd[:-1], bwd, 6, gpu_handoff=handoff)
+    sim = _Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
+    sim.build()
+    tl = sim.run(with_timeline=True)
+    ev = sim.events
+    deltas = {0: [], 1: []}
+    for a, from_start, k, nbytes in reservations(ev):
+        deltas[ev[k].rank] += [(ev[a].start if from_start else ev[a].end, nbytes), (ev[k].end, -nbytes)]
+    for r in (0, 1):
+        steps = memory_steps(r, deltas[r])
+        want = tl.memory[tl.memory["rank"] == r]
+        assert [b for _, _, b in steps] == want["bytes"].tolist()
+        assert [t for _, t, _ in steps] == pytest.approx(want["time"].tolist())
+    kept = [x for x in reservations(ev) if not x[1]]
+    assert bool(kept) == handoff
