@@ -164,10 +164,18 @@ class Profile:
 
     @functools.cached_property
     def identity(self) -> str:
-        """Short content hash: plans record it so a plan is never applied to another profile."""
+        """Short content hash: plans record it so a plan is never applied to another profile. Hashed
+        from the values themselves (numbers as float64, text as UTF-8), not with pandas' hashing,
+        which changes between pandas versions: a plan made on one machine must load on another."""
         h = hashlib.sha256()
-        h.update(pd.util.hash_pandas_object(self.layers, index=False).values.tobytes())
-        h.update(pd.util.hash_pandas_object(self.microbatch, index=False).values.tobytes())
+        for frame in (self.layers, self.microbatch):
+            for name in frame.columns:
+                col = frame[name]
+                h.update(f"{name}\0".encode())
+                if pd.api.types.is_numeric_dtype(col):
+                    h.update(np.ascontiguousarray(col.to_numpy(np.float64)).tobytes())
+                else:
+                    h.update(("\x1f".join(map(str, col)) + "\0").encode())
         return h.hexdigest()[:16]
 
     # -- per-(phase, u) costs -----------------------------------------------------------
@@ -365,7 +373,7 @@ def _read_table(folder: Path, stem: str, columns: dict, optional: dict | None = 
         if kind == "str":
             out[col] = s.str.upper()
             continue
-        num = pd.to_numeric(s, errors="coerce")
+        num = _numbers(s)
         bad = num.isna() | ~np.isfinite(num.fillna(0).to_numpy(dtype=float))
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
@@ -386,6 +394,18 @@ def _read_table(folder: Path, stem: str, columns: dict, optional: dict | None = 
     table = pd.DataFrame(out)
     table.attrs["source"] = str(f)
     return table
+
+
+def _numbers(s: pd.Series) -> pd.Series:
+    """Text to float64 with Python's correctly rounded ``float`` (NaN where it is not a number):
+    pandas' parsers may differ from it by a unit in the last place, from one pandas version to the
+    next, and a profile must read as the same numbers on every machine (Profile.identity)."""
+    def number(x: str) -> float:
+        try:
+            return float(x) if "_" not in x else np.nan
+        except ValueError:
+            return np.nan
+    return pd.Series([number(x) for x in s], index=s.index, dtype=np.float64)
 
 
 def _validate(layers: pd.DataFrame, micro: pd.DataFrame, source: str) -> None:

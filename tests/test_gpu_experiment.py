@@ -30,13 +30,42 @@ def test_quick_experiment_writes_every_table_and_the_figure(tmp_path):
     assert (res / "gpu_busy_by_stream.png").stat().st_size > 10_000
     assert "CUDA" in gpt.loc["deepspeed", "status"] or "DeepSpeed" in gpt.loc["deepspeed", "status"]
     corr = pd.read_csv(res / "gpu_correctness.csv")
-    assert len(corr) == 4 and (corr.max_rel_error < 1e-4).all() and (corr.moved_by_training > 1e-3).all()
+    assert len(corr) == 5 and (corr.max_rel_error < 1e-4).all() and (corr.moved_by_training > 1e-3).all()
     assert (res / "gpu_samples_per_s.png").stat().st_size > 10_000
     # a second call resumes: nothing is measured again; one stage alone runs alone
     before = (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns
     assert main(args) == 0
     assert main([*args, "--stages", "plan"]) == 0
     assert (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_handoff_stage_trains_a_plan_both_ways_and_reports_it(tmp_path):
+    """Stage ``handoff``: the case's plan with its gradients kept on the GPU and through host memory,
+    trained alternately; the same training (same losses), fewer swaps and bytes, both simulated."""
+    import json
+
+    from harmony_opt.plan import Plan
+
+    args = ["--quick", "--device", "cpu", "--root", str(tmp_path), "--models", "gpt2-tiny", "--caps", "0.002",
+            "--methods", "ours", "--steps", "2", "--warmup", "1"]
+    assert main([*args, "--stages", "probe,profile,plan"]) == 0
+    case = tmp_path / "experiments" / "results" / "gpu" / "gpt2_tiny_cap0.002GB"
+    info = json.loads((case / "case.json").read_text())
+    info["batch"] = 4                     # one backward microbatch of 4: every backward handoff can stay
+    (case / "case.json").write_text(json.dumps(info))
+    R = Plan.load(case / "ours.plan.json").num_layers
+    bwd = [(k, k) for k in range(R - 2)] + [(R - 2, R - 1)]
+    Plan("test", "vPP", 1, 4, 2, 4, [(0, 2), (3, R - 3)], bwd, R).save(case / "ours.plan.json")
+    assert main([*args, "--stages", "handoff,report"]) == 0
+    h = json.loads((case / "handoff.json").read_text())
+    assert h["swaps"]["kept"] == h["swaps"]["host"] - 2 * (len(bwd) - 1)     # dX out, dY in at each boundary
+    assert [(r["plan"], r["ok"]) for r in h["runs"]] == [("host", True), ("kept", True)] * 3
+    assert h["simulated_kept_s"] <= h["simulated_host_s"]
+    table = pd.read_csv(tmp_path / "experiments" / "results" / "gpu_handoff.csv").iloc[0]
+    assert table.status == "ok" and table.moved_kept_GB < table.moved_host_GB
+    assert table.loss_last_kept == pytest.approx(table.loss_last_host, rel=1e-6)
+    assert "Gradients kept on the GPU" in (tmp_path / "experiments" / "results" / "gpu_summary.md").read_text()
 
 
 @pytest.mark.parametrize("bad, says", [(["--methods", "ours,foo"], "--methods: unknown foo"),

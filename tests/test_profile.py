@@ -96,6 +96,21 @@ def test_save_load_roundtrip_csv_and_parquet(tmp_path, small_profile):
         assert q.costs("BWD", 3).pack_time(0, 5) == pytest.approx(small_profile.costs("BWD", 3).pack_time(0, 5))
 
 
+def test_identity_is_the_contents_not_how_pandas_holds_them():
+    """Plans record the profile's identity and refuse another: a plan made on one machine must load
+    on a machine with another pandas (pandas' own hashing changed between 3.0 and 3.1, and a GPU
+    server refused the plans made here). So the identity follows the values, not their dtypes, and
+    the bundled profiles keep the identities that stored plans (experiments/results/gpu/) name."""
+    p = load_profile("gpt2_xl")
+    assert p.identity == "d247f4a42505a949"
+    layers = p.layers.astype({c: "int32" for c in ("layer", "buffer_bytes")})
+    micro = p.microbatch.astype({"phase": object})
+    assert Profile(p.name, layers, micro, p.meta).identity == p.identity
+    changed = p.microbatch.copy()
+    changed.loc[0, "gpu_time_s"] *= 1.001
+    assert Profile(p.name, p.layers, changed, p.meta).identity != p.identity
+
+
 def _write(tmp_path, layers: str, micro: str):
     (tmp_path / "layers.csv").write_text(layers)
     (tmp_path / "microbatch.csv").write_text(micro)

@@ -20,8 +20,10 @@ started):
    ZeRO-Offload (when importable), each alone in a process with the CUDA allocator capped:
    samples/s over ``--steps`` steps after ``--warmup``, peak memory, bytes moved.
 5. ``correct``: weights after 10 steps through the executor vs plain PyTorch on the GPU,
-   TF32 off.
-6. ``report``: ``experiments/results/gpu_runs.csv``, ``gpu_correctness.csv``,
+   TF32 off (cases added later are run on the next call; done ones are kept).
+6. ``handoff``: our plan with activation gradients kept on the GPU (Plan.gpu_handoff) and the
+   same plan without, trained alternately, against the simulator's figures for both.
+7. ``report``: ``experiments/results/gpu_runs.csv``, ``gpu_correctness.csv``,
    ``gpu_samples_per_s.png`` and ``gpu_summary.md``.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ from harmony_opt.units import parse_bytes
 GB = 10 ** 9
 METHODS = ("ours", "harmony", "naive-swap", "torch-offload", "deepspeed")
 PLAN_METHODS = ("ours", "harmony", "naive-swap")
-STAGES = ("probe", "profile", "plan", "train", "correct", "report")
+STAGES = ("probe", "profile", "plan", "train", "correct", "handoff", "report")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,13 +252,58 @@ def stage_correct(P: Paths, device: str, quick: bool) -> None:
     from .correctness import check_all
 
     out = P.raw / "correctness.json"
-    if out.exists():
-        return log(f"correct: {out} exists")
-    rows = check_all(device, quick)
+    old = json.loads(out.read_text()) if out.exists() else []
+    rows = check_all(device, quick, done={r["case"] for r in old})
+    if not rows:
+        return log(f"correct: {out} holds every case")
     P.raw.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, rows)
+    atomic_write_json(out, old + rows)
     for r in rows:
         log(f"correct: {r['case']}: max relative weight error {r['max_rel_error']:.2e}")
+
+
+def stage_handoff(P: Paths, workloads, caps, device: str, steps: int, warmup: int, rounds: int = 3) -> None:
+    """Plan.gpu_handoff measured: our plan of each case trained with the activation gradients between
+    single-microbatch backward packs kept on the GPU and with Harmony's round trip through host
+    memory, alternately (``rounds`` times each, so that drift hits both; the report takes the median
+    over rounds, which leaves out the first run's cold caches), against the simulator's figures for
+    both. Cases whose plan has no such pair of packs are recorded as such."""
+    from harmony_opt.compiler import compile_plan
+    from harmony_opt.hardware import get_hardware
+    from harmony_opt.plan import Plan
+    from harmony_opt.simulator import simulate
+
+    for w, cap, batch, _, prof in cases(P, workloads, caps):
+        d = P.case(w, cap)
+        out = d / "handoff.json"
+        if batch is None or out.exists() or not (d / "ours.plan.json").exists():
+            continue
+        base = Plan.load(d / "ours.plan.json")
+        plans = {"host": base.replace(gpu_handoff=False), "kept": base.replace(gpu_handoff=True)}
+        swaps = {k: sum(n for code, n in compile_plan(p).counts().items() if code[0] in "IO") for k, p in plans.items()}
+        info = {"model": w.model, "cap": cap, "batch": batch, "swaps": swaps, "runs": []}
+        if swaps["kept"] == swaps["host"]:
+            info["skipped"] = "no two consecutive backward packs of one microbatch: nothing to keep on the GPU"
+            atomic_write_json(out, info)
+            log(f"handoff: {w.model} cap {cap / GB:.0f} GB: {info['skipped']}")
+            continue
+        hw = get_hardware(P.hardware, memory_cap=cap)
+        for k, p in plans.items():
+            p.save(d / f"ours-{k}.plan.json")
+            tl = simulate(p, prof, hw, memory_cap=cap)
+            info[f"simulated_{k}_s"] = tl.iteration_time
+            info[f"sim_bytes_{k}"] = tl.bytes_moved()
+        for r in range(rounds):
+            for k in ("host", "kept"):
+                job = {"method": "ours", "model": w.model, "overrides": dict(w.overrides), "batch": batch, "cap": cap,
+                       "warmup": warmup, "steps": steps, "device": device, "plan": str(d / f"ours-{k}.plan.json")}
+                res = _trial(job, d / f"ours-{k}.run{r}.json", timeout=600)
+                info["runs"].append({"plan": k, "round": r, **{f: res.get(f) for f in (
+                    "ok", "error", "step_s_mean", "step_s_median", "bytes_h2d_per_step", "bytes_d2h_per_step",
+                    "peak_allocated", "loss_first", "loss_last")}})
+                log(f"handoff: {w.model} cap {cap / GB:.0f} GB, gradients via {k}, round {r}: " + (
+                    f"{res['step_s_mean']:.4f} s/step" if res.get("ok") else f"FAILED {res.get('error')}"))
+        atomic_write_json(out, info)
 
 
 def stage_report(P: Paths, workloads, caps, device_name: str) -> None:
@@ -329,6 +376,8 @@ def _main(argv) -> int:
         stage_train(P, workloads, caps, args.device, args.steps, args.warmup, args.run_budget, methods)
     if "correct" in stages:
         stage_correct(P, args.device, args.quick)
+    if "handoff" in stages:
+        stage_handoff(P, workloads, caps, args.device, max(3, args.steps // 2), args.warmup)
     if "report" in stages:
         recorded = P.raw / "device.json"     # the GPU the runs were measured on, when reported elsewhere
         stage_report(P, workloads, caps, json.loads(recorded.read_text())["device"] if recorded.exists() and

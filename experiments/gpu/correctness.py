@@ -22,9 +22,10 @@ NO_RC = PackOptions(recompute=False)
 GPU_OPT = PackOptions(optimizer="gpu")
 
 
-def _plan(mode, batch, uf, ub, fwd, bwd, R, options=()) -> Plan:
+def _plan(mode, batch, uf, ub, fwd, bwd, R, options=(), gpu_handoff=False) -> Plan:
     return Plan(planner="correctness", mode=mode, gpus=1, batch=batch, microbatch_fwd=uf, microbatch_bwd=ub,
-                packs_fwd=fwd, packs_bwd=bwd, num_layers=R, options=options, allow_uneven=True)
+                packs_fwd=fwd, packs_bwd=bwd, num_layers=R, options=options, allow_uneven=True,
+                gpu_handoff=gpu_handoff)
 
 
 def cases(quick: bool):
@@ -42,6 +43,10 @@ def cases(quick: bool):
          _plan("vPP", 8, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, R - 1)], R, (NO_RC, GPU_OPT, GPU_OPT)), adam),
         ("gpt2 vDP uneven microbatches", *gpt,
          _plan("vDP", 7, 3, 2, [(0, 2)], [(0, 2), (3, R - 1)], R, (NO_RC, PackOptions())), adam),
+        ("gpt2 vDP gradients kept on the GPU", *gpt,
+         _plan("vDP", 4, 2, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, R - 1)], R, (NO_RC, GPU_OPT, PackOptions()),
+               gpu_handoff=True),
+         adam),
         ("vgg-tiny vPP, SGD", "vgg-tiny", {},
          _plan("vPP", 8, 4, 4, [(0, 3), (4, 7)], [(0, 3), (4, 7), (8, Rv - 1)], Rv, (PackOptions(), NO_RC, GPU_OPT)),
          sgd),
@@ -69,7 +74,8 @@ def _max_error(got, want) -> float:
     return max(errs)
 
 
-def check_all(device: str, quick: bool) -> list[dict]:
+def check_all(device: str, quick: bool, done=()) -> list[dict]:
+    """One row per case not named in ``done``."""
     from harmony_opt.models import build_model
 
     dev = torch.device(device)
@@ -78,6 +84,8 @@ def check_all(device: str, quick: bool) -> list[dict]:
         torch.backends.cudnn.allow_tf32 = False
     rows = []
     for name, model_name, overrides, plan, factory in cases(quick):
+        if name in done:
+            continue
         initial = build_model(model_name, **overrides)
         before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in initial.layers]
         want = _reference(build_model(model_name, **overrides), plan.batch, factory, dev)

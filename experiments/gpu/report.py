@@ -116,6 +116,40 @@ def plot_busy(df: pd.DataFrame, path, device_name: str) -> None:
           f"Which term is off: each stream's busy time on {device_name}", reference=1.0)
 
 
+def handoff_table(P, workloads, caps) -> pd.DataFrame:
+    """Plan.gpu_handoff measured (stage ``handoff``): per case, the plan with its gradients kept on the
+    GPU against the same plan through host memory, measured (median over the rounds of each run's mean
+    step time; every round's in ``rounds_*``) and simulated."""
+    rows = []
+    for w in workloads:
+        for cap in caps:
+            f = P.case(w, cap) / "handoff.json"
+            if not f.exists():
+                continue
+            h = json.loads(f.read_text())
+            row = {"model": w.model, "cap_GB": cap / GB, "batch": h["batch"], "swaps_host": h["swaps"]["host"],
+                   "swaps_kept": h["swaps"]["kept"]}
+            if h.get("skipped"):
+                rows.append({**row, "status": h["skipped"]})
+                continue
+            runs = pd.DataFrame(h["runs"])
+            failed = runs[~runs.ok.astype(bool)]
+            row["status"] = "ok" if failed.empty else f"failed: {failed.error.iloc[0]}"
+            for k in ("host", "kept"):
+                ok = runs[(runs.plan == k) & runs.ok.astype(bool)]
+                row[f"simulated_{k}_s"] = h[f"simulated_{k}_s"]
+                if len(ok):
+                    row[f"measured_{k}_s"] = float(ok.step_s_mean.median())
+                    row[f"rounds_{k}_s"] = " / ".join(f"{t:.4g}" for t in ok.step_s_mean)
+                    row[f"moved_{k}_GB"] = float((ok.bytes_h2d_per_step + ok.bytes_d2h_per_step).mean()) / GB
+                    row[f"loss_last_{k}"] = float(ok.loss_last.iloc[-1])
+            if "measured_kept_s" in row and "measured_host_s" in row:
+                row["measured_gain"] = row["measured_host_s"] / row["measured_kept_s"]
+            row["simulated_gain"] = row["simulated_host_s"] / row["simulated_kept_s"]
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def write_report(P, workloads, caps, device_name: str) -> None:
     P.results.mkdir(parents=True, exist_ok=True)
     df = runs_table(P, workloads, caps, device_name)
@@ -138,6 +172,14 @@ def write_report(P, workloads, caps, device_name: str) -> None:
                             "moved_d2h_GB", "steps")
                 if c in df]
         lines += [markdown_table(df[cols], floatfmt=".3g"), ""]
+    kept = handoff_table(P, workloads, caps)
+    if not kept.empty:
+        atomic_write_text(P.results / "gpu_handoff.csv", kept.to_csv(index=False, float_format="%.6g"))
+        lines += ["Gradients kept on the GPU (Plan.gpu_handoff; stage `handoff`): our plan with the activation "
+                  "gradients between single-microbatch backward packs kept on the GPU (`kept`) against the same "
+                  "plan through host memory (`host`), trained alternately; `measured_*`: median over the rounds of "
+                  "each run's mean step time (`rounds_*`: each round's); `swaps_*`: swap instructions per "
+                  "iteration.", "", markdown_table(kept, floatfmt=".4g"), ""]
     if corr is not None:
         lines += ["Correctness (weights after 10 steps, executor vs plain PyTorch, TF32 off):", "",
                   markdown_table(corr, floatfmt=".2e"), ""]
