@@ -24,13 +24,15 @@ def pairs(tasks: Tasks) -> int:
     return sum(len(into.get(key, ())) * len(v) for key, v in out.items())
 
 
-def solve_chain(tasks: Tasks) -> tuple[float, list[int]] | None:
+def solve_chain(tasks: Tasks, relax_stash: bool = False) -> tuple[float, list[int]] | None:
     """(objective in seconds, task sequence) of the best chain, or None if no chain exists.
 
-    Costs are integer ticks exactly as in the CP-SAT model. Stash variants are not handled
-    (their memory couples forward packs to backward ones): call it on tasks built without them."""
+    Costs are integer ticks exactly as in the CP-SAT model. Stash variants are not handled (their
+    memory couples forward packs to backward ones): call it on tasks built without them, or with
+    ``relax_stash``, which leaves that coupling out: the optimum is then a lower bound on the
+    model's over the plans with stash variants (its sequence may not fit)."""
     t = tasks.table
-    if (~t.recompute).any():
+    if (~t.recompute).any() and not relax_stash:
         raise ValueError("the DP oracle does not handle stash variants; build the tasks with stash=False")
     c = tasks.ticks()
     mem, wb, cap = c["mem"], c["wb"], c["cap"]

@@ -11,7 +11,8 @@ consecutive pairs (chain.py) does not describe it. This model places tasks at po
 * per position, its task's constants as linear sums (``P1_j = sum_k x[j, k] * p_first_k``);
 * the recurrence of timing.py as linear inequalities on integer start/end variables per
   position, with one Boolean per memory rule where some pair of candidates could break it;
-* the shared link's capacity as two linear constraints.
+* the shared link's capacity per phase: ``T = max(E_crit, link_F) + max(T_pipe - E_crit, link_B)``
+  with E_crit the end of the criterion pack (timing.py).
 
 Positions after the chain's end hold nothing, so their constants are 0 and they do not delay
 T. The number of positions is bounded by the caller (``max_fwd``, ``max_bwd``), which bounds
@@ -148,10 +149,28 @@ def build(tasks: Tasks, lay: Layout):
         m.add(FREE[j] >= E[j] + TAIL[j])
         m.add(T >= E[j])
         m.add(T >= FREE[j] + UPD[j])
-    for col in (d["link_in"], d["link_out"]):
-        if col.any():
-            m.add(T >= sum(int(col[k]) * v for (j, k), v in x.items() if col[k]))
-    m.minimize(T)
+    # T = max(E_crit, link_F) + max(T_pipe - E_crit, link_B): the forward phase ends with the
+    # criterion pack, and each phase takes at least its own traffic on the shared link (timing.py)
+    e_crit = m.new_int_var(0, horizon, "E_crit")
+    for j in range(J):
+        here = [x[j, int(k)] for k in lay.rows[j] if t.kind[k] == C]
+        if here:
+            c_j = m.new_bool_var(f"criterion_at_{j}")
+            m.add(c_j == sum(here))
+            m.add(e_crit == E[j]).only_enforce_if(c_j)
+    bwd = d["backward"].astype(bool)
+
+    def link(col, rows):
+        return sum(int(col[k]) * v for (j, k), v in x.items() if rows[k] and col[k])
+    P = m.new_int_var(0, 2 * horizon, "forward_phase")
+    m.add(P >= e_crit)
+    m.add(P >= link(d["link_in"], ~bwd))
+    m.add(P >= link(d["link_out_fwd"], np.ones(len(t), bool)))
+    total = m.new_int_var(0, 3 * horizon, "iteration")
+    m.add(total >= P + T - e_crit)
+    m.add(total >= P + link(d["link_in"], bwd))
+    m.add(total >= P + link(d["link_out"] - d["link_out_fwd"], np.ones(len(t), bool)))
+    m.minimize(total)
     # [END timing]
     return m, x
 

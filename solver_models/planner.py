@@ -213,10 +213,13 @@ class _Candidate:
     seq: list
     value: float                    # the model's iteration time (s)
     bound: float                    # a valid lower bound on the model's optimum for cfg
+    floor: float                    # ... on the optimum of every variant of the model (stash, handoff)
     how: str                        # "dp", "balanced", "search", "cp-sat": what found the sequence
     solve: object = None            # cpsat.SolveResult where CP-SAT ran
     proof: str | None = None        # "dp" where the DP proved the sequence optimal for the model
     handoff: bool = False           # its plans keep gradients on the GPU (Plan.gpu_handoff)
+    tight: bool = True              # ``bound`` already holds the DP's with the stash variants (_tighten)
+    tight_floor: bool = True        # ``floor`` already holds the DP's on every variant (_tighten)
 
 
 @dataclasses.dataclass
@@ -333,34 +336,62 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
                 hint = sequence_of_plan(tasks, incumbent)
             except KeyError:
                 pass
-        first = _first_solution(tasks, S.profile, hint, S.budget) if len(tasks.table) else None
+        first = _first_solution(S, tasks, hint) if len(tasks.table) else None
         if first is None or not np.isfinite(first[0]):
             stats["infeasible"] += 1
             continue
         stats["evaluated"] += 1
         value, seq, dp_bound = first
-        # the DP's optimum bounds the configuration only where no stash variant could beat it
+        # the DP's optimum bounds the configuration where no stash variant could beat it, and every
+        # variant of the model where plans cannot keep gradients on the GPU either (_tighten)
+        chain_ = cfg.ranks == 1
         bound = max(bounds[cfg], dp_bound if dp_bound is not None and not S.stash else 0.0)
-        found.append(_Candidate(cfg, tasks, seq, value, bound, "dp" if dp_bound is not None else "balanced"))
+        kept = chain_ and S.handoff(cfg)
+        found.append(_Candidate(cfg, tasks, seq, value, bound, bounds[cfg] if kept else bound,
+                                "dp" if dp_bound is not None else "balanced",
+                                tight=not (chain_ and S.stash), tight_floor=not kept))
         if value < best_value:
             best_value = value
             S.say(f"[{i + 1}/{len(configs)}] {cfg}: model {value:.4f} s  <- best so far")
     return found, float("inf")
 
 
-def _first_solution(tasks: Tasks, profile: Profile, hint, budget: Budget):
+def _first_solution(S: _Search, tasks: Tasks, hint):
     """(model value, sequence, bound or None) of a first solution: the DP's optimum for a chain,
-    which also bounds the model's optimum (the DP leaves out only the link floor, which can only
-    add); the best of the hint and balanced packs in vPP (search.py), improved later."""
+    which also bounds the model's optimum over the plans without stash variants or kept
+    gradients (the DP leaves out only the link floor, which can only add); the best of the hint
+    and balanced packs in vPP (search.py), improved later."""
     if tasks.cfg.ranks == 1:
-        budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
+        S.budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
         r = dp.solve_chain(tasks)
         if r is None:
             return None
         return evaluate(tasks, r[1]), r[1], r[0]
-    starts, work = search.starts(tasks, profile, hint)
-    budget.spend(Budget.PER_START * work)
+    starts, work = search.starts(tasks, S.profile, hint)
+    S.budget.spend(Budget.PER_START * work)
     return (starts[0][0], starts[0][1], None) if starts else None
+
+
+def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
+    """A chain configuration's bounds from the DP: with the stash variants, their memory coupling left
+    out (dp.py), the DP's optimum bounds every plan of the model searched (``bound``); with gradients
+    kept on the GPU too, whose every cost is at most the plain model's, every plan of every variant
+    (``floor``, with ``floor=True``). Milliseconds per configuration; run where it can matter: the
+    CP-SAT candidates (is the DP solution already optimal?) and the configuration holding the bound
+    over all of them down."""
+    for kept in [k for k, todo in ((False, not c.tight), (True, floor and not c.tight_floor)) if todo]:
+        tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=S.stash,
+                            cuts=c.tasks.cuts, gpu_handoff=kept)
+        S.budget.spend(Budget.PER_ROW * len(tasks.table) + Budget.PER_NODE * 2 * tasks.num_layers
+                       + Budget.PER_PAIR * dp.pairs(tasks))
+        r = dp.solve_chain(tasks, relax_stash=True)
+        value = r[0] if r is not None else float("inf")
+        if kept:
+            c.tight_floor, c.floor = True, max(c.floor, value)
+        else:
+            c.tight, c.bound = True, max(c.bound, value)
+            if c.tight_floor:           # no variant with kept gradients: the same bound
+                c.floor = max(c.floor, value)
 
 
 def _local_search(S: _Search, found: list[_Candidate]) -> None:
@@ -385,8 +416,9 @@ def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
         left = S.budget.left(0.85 - S.timeline_share)
         if left <= 0.1:
             return
-        if c.cfg.ranks == 1 and not S.stash and c.how == "dp" and c.value <= c.bound + 1e-9:
-            c.proof = "dp"
+        _tighten(S, c)
+        if c.cfg.ranks == 1 and c.how == "dp" and c.value <= c.bound + 1e-9:
+            c.proof = "dp"      # the DP's optimum with every variant meets the model's value
             continue
         tasks, seq = c.tasks, c.seq
         if S.stash:
@@ -455,26 +487,22 @@ def _judge_candidates(S: _Search, found: list[_Candidate], incumbent: Plan | Non
     return best_plan, best_t, best_c
 
 
-def _with_handoff(S: _Search, c: _Candidate, cheap_bound: float) -> None:
+def _with_handoff(S: _Search, c: _Candidate) -> None:
     """The model of ``c``'s configuration with gradients kept on the GPU (tasks.py), for a candidate
-    whose plan keeps them: its value there, and a bound valid for that model: the cheap bound, or the
-    DP's optimum where no stash variant could beat it. The search itself ran on the model without
-    (it describes the simulator more closely where many backward packs stash inputs during the
-    forward, which the kept handoffs would otherwise make cheap; docs/planner.md)."""
+    whose plan keeps them: its value there, and a bound valid for that model (``c.floor``: the DP's
+    optimum of that model with every stash variant, or the cheap bound). The search itself ran on
+    the model without (it describes the simulator more closely where many backward packs stash
+    inputs during the forward, which the kept handoffs would otherwise make cheap; docs/planner.md)."""
     stash = bool((~c.tasks.table.recompute).any())
     tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=stash, cuts=c.tasks.cuts,
                         gpu_handoff=True)
     idx = tasks.table.index()
     seq = [idx[c.tasks.table.key(k)] for k in c.seq]
-    c.tasks, c.seq, c.value, c.bound, c.proof, c.solve = tasks, seq, evaluate(tasks, seq), cheap_bound, None, None
+    _tighten(S, c, floor=True)
+    c.tasks, c.seq, c.value, c.bound, c.proof, c.solve = tasks, seq, evaluate(tasks, seq), c.floor, None, None
     c.how = f"{c.how}, gradients kept on the GPU"
-    if not S.stash:         # then the tasks have no stash variants, which the DP does not handle
-        S.budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
-        r = dp.solve_chain(tasks)
-        if r is not None:
-            c.bound = max(c.bound, r[0])
-            if c.value <= r[0] + 1e-9:
-                c.proof = "dp"
+    if c.value <= c.bound + 1e-9:
+        c.proof = "dp"
 
 
 def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float) -> tuple[Plan, float]:
@@ -514,6 +542,24 @@ def _timeline(S: _Search, plan_: Plan) -> dict | None:
                         report=S.say)
     return {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "gap": tr.gap,
             "events": tr.events, "wall_time_s": tr.wall_time}
+
+
+def _space_bound(S: _Search, found: list[_Candidate], open_bound: float, most: int = 64) -> float:
+    """The bound over the searched space: every evaluated configuration's own bound and the cheap
+    bound of those not reached. A configuration whose plans may keep gradients on the GPU was
+    searched on the model without, so for it only the bound of every variant of the model holds.
+    While the lowest is a chain's that ``_tighten`` could raise, it does (at most ``most`` times)."""
+    def held(c):
+        return c.bound if c.handoff or not S.handoff(c.cfg) else c.floor
+
+    def loose(c):
+        return not c.tight if c.handoff or not S.handoff(c.cfg) else not c.tight_floor
+    for _ in range(most):
+        low = min(found, key=lambda c: (held(c), str(c.cfg)), default=None)
+        if low is None or not loose(low) or held(low) >= open_bound or S.budget.left() <= 0:
+            break
+        _tighten(S, low, floor=not low.handoff and S.handoff(low.cfg))
+    return min([held(c) for c in found] + [open_bound])
 
 
 def _configuration_report(S: _Search, c: _Candidate | None) -> dict | None:
@@ -574,16 +620,11 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     if best_c is not None:
         best_plan, best_t = _polish(S, best_c, best_plan, best_t)                          # 5
         if best_c.handoff:
-            _with_handoff(S, best_c, bounds[best_c.cfg])
+            _with_handoff(S, best_c)
+    space_bound = _space_bound(S, found, open_bound) if opts.cost_model == "default" else None
     timeline = _timeline(S, best_plan)                                                     # 6
 
     conf = _configuration_report(S, best_c)
-    # the bound over the searched space: every evaluated configuration's own bound and the cheap
-    # bound of those not reached (none where the model does not describe the judging simulator);
-    # a configuration whose plans may keep gradients on the GPU was searched on the model without,
-    # so only its cheap bound holds for them
-    space_bound = min([c.bound if c.handoff or not S.handoff(c.cfg) else bounds[c.cfg]
-                       for c in found] + [open_bound]) if opts.cost_model == "default" else None
     if best_c is not None:
         model_value = best_c.value
     else:                                  # Harmony's plan won: its value on our model, if representable

@@ -48,12 +48,13 @@ def test_cp_sat_chain_model_equals_the_dp(R, seed, uf, ub, tight, gpus):
     assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(4, 12), st.integers(0, 1000), st.sampled_from([2, 4]), st.floats(0.3, 1.0), st.sampled_from([2, 3]))
-@example(R=5, seed=39, u=2, tight=0.75, gpus=2)
-def test_pipeline_model_objective_is_what_its_packs_are_worth(R, seed, u, tight, gpus):
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(4, 12), st.integers(0, 1000), st.sampled_from([2, 4]), st.floats(0.3, 1.0), st.sampled_from([2, 3]),
+       st.booleans())
+@example(R=5, seed=39, u=2, tight=0.75, gpus=2, stash=False)
+def test_pipeline_model_objective_is_what_its_packs_are_worth(R, seed, u, tight, gpus, stash):
     prof, hw, cap, cfg = _instance(R, seed, u, u, tight, gpus, mode="vPP")
-    tasks = build_tasks(prof, hw, 8, cfg, cap, stash=False)
+    tasks = build_tasks(prof, hw, 8, cfg, cap, stash=stash)
     starts, _ = search.starts(tasks, prof)
     if not starts:
         return
@@ -79,11 +80,52 @@ def test_configuration_bound_is_below_every_plan_of_the_configuration(R, seed, u
     tasks = build_tasks(prof, hw, 8, cfg, cap, stash=stash)
     starts, _ = search.starts(tasks, prof, tries=10)
     bound = config_bound(prof, hw, 8, cfg, cap, stash)
-    for value, seq in starts:
-        assert bound <= value + 1e-9
-    if cfg.ranks == 1 and not stash:
-        exact = dp.solve_chain(tasks)
-        assert exact is None or bound <= exact[0] + 1e-9
+    # the balanced starts, and each with its backward packs' activations stashed (where the variant
+    # exists and fits): the plans the stash terms of the bound are about
+    plans = [seq for _, seq in starts] + [_stashed(tasks, seq) for _, seq in starts]
+    for seq in plans:
+        assert bound <= evaluate(tasks, seq) + 1e-9
+    if cfg.ranks == 1:
+        # the DP with every stash variant, their memory coupling left out, bounds them all too
+        # (the planner's bound of a chain configuration), and without stash variants it is exact
+        relaxed = dp.solve_chain(tasks, relax_stash=True)
+        assert relaxed is None or all(relaxed[0] <= evaluate(tasks, seq) + 1e-9 for seq in plans)
+        if not stash:
+            exact = dp.solve_chain(tasks)
+            assert exact is None or bound <= exact[0] + 1e-9
+
+
+def _stashed(tasks, seq):
+    """``seq`` with each backward pack switched to its stash variant where one exists and fits."""
+    idx, t = tasks.table.index(), tasks.table
+    out = list(seq)
+    for p, k in enumerate(out):
+        kind, a, b, _, gpu = t.key(k)
+        alt = idx.get((kind, a, b, False, gpu))
+        if alt is not None:
+            trial = out[:p] + [alt] + out[p + 1:]
+            if evaluate(tasks, trial) < float("inf"):
+                out = trial
+    return out
+
+
+def test_model_counts_stashed_activations_in_their_phase_in_vpp():
+    """Activations stashed in vPP leave the GPUs during the forward and come back during the backward:
+    each phase takes at least its own traffic on the shared link. Counted over the whole iteration, the
+    model rated this plan (gpt2_xl, every backward pack stashed) 32.7 s; the simulator plays it in 45.1."""
+    prof = load_profile("gpt2_xl")
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+    cap, cfg = int(9e9), Config("vPP", 2, 11, 4)
+    tasks = build_tasks(prof, hw, 32, cfg, cap)
+    starts, _ = search.starts(tasks, prof)
+    seq = _stashed(tasks, starts[0][1])
+    f, b, o = packs_of(tasks, seq)
+    assert sum(not rc for rc, _ in o) >= 40
+    from harmony_opt.plan import PackOptions, Plan
+    p = Plan("test", "vPP", 2, 32, 11, 4, f, b, tasks.num_layers, allow_uneven=True, memory_cap=cap,
+             options=tuple(PackOptions(rc, "gpu" if g else "cpu") for rc, g in o))
+    simulated = simulate(p, prof, hw, with_timeline=False).iteration_time
+    assert evaluate(tasks, seq) == pytest.approx(simulated, rel=0.03)
 
 
 def test_local_search_is_deterministic_and_never_worse():
