@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                                           for o in ("plan", "infeasible", "FAIL", "TIMEOUT") if counts[(name, o)]))
     if args.out:
         cmd = " ".join(["benchmarks/fuzz_planners.py"] + (argv if argv is not None else sys.argv[1:]))
-        lines = [f"# Planner fuzz soak", "", f"Command: `.venv/bin/python {cmd}`", "",
+        lines = ["# Planner fuzz soak", "", f"Command: `.venv/bin/python {cmd}`", "",
                  f"{done} examples (seed {args.seed}, 1..{args.max_layers} layers, {args.large_fraction:.0%} of them "
                  f"with 200 or more, CP-SAT time limit "
                  f"{args.time_limit} s, {args.workers} worker{'s' if args.workers != 1 else ''}) {per} in {wall:.0f} s: "

@@ -1,5 +1,4 @@
 import numpy as np
-import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
