@@ -402,10 +402,16 @@ def _numbers(s: pd.Series) -> pd.Series:
     next, and a profile must read as the same numbers on every machine (Profile.identity)."""
     def number(x: str) -> float:
         try:
-            return float(x) if "_" not in x else np.nan
+            return float(x)
         except ValueError:
             return np.nan
-    return pd.Series([number(x) for x in s], index=s.index, dtype=np.float64)
+    values = s.to_list()
+    try:                    # every entry a number: one pass without a call per entry
+        parsed = [float(x) for x in values]
+    except ValueError:
+        parsed = [number(x) for x in values]
+    # float() also reads "1_000"; pandas never did, and a profile should not either
+    return pd.Series(parsed, index=s.index, dtype=np.float64).mask(s.str.contains("_", regex=False))
 
 
 def _validate(layers: pd.DataFrame, micro: pd.DataFrame, source: str) -> None:

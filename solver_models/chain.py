@@ -125,16 +125,7 @@ def build(tasks: Tasks):
     chain_b = sum(gaps_b) + s(bwd_rows, c["load"]) + s(last, c["tail"] + c["upd"])
     horizon = big * (len(gaps_f) + len(gaps_b) + 1) + int(c["load"].sum()) + 1
     horizon = max(horizon, int(c["link_in"].sum()), int(c["link_out"].sum())) * 2 + 1
-    # T = max(chain_F, link_F) + max(chain_B, link_B): the phases meet at the criterion pack
-    P = m.new_int_var(0, horizon, "forward_phase")
-    T = m.new_int_var(0, horizon, "iteration")
-    m.add(P >= chain_f)
-    m.add(P >= s(fwd_rows, c["link_in"]))
-    m.add(P >= s(rows, c["link_out_fwd"]))
-    m.add(T >= P + chain_b)
-    m.add(T >= P + s(bwd_rows, c["link_in"]))
-    m.add(T >= P + s(rows, c["link_out"] - c["link_out_fwd"]))
-    m.minimize(T)
+    cpsat.phase_objective(m, tasks, lambda col, mask: s(np.flatnonzero(mask), col), chain_f, chain_b, horizon)
     # [END objective]
     return m, x
 

@@ -108,6 +108,25 @@ def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_lim
                        wall, solver_.deterministic_time, [s for s in cb.kept if s != seq], variables)
 
 
+def phase_objective(m: cp_model.CpModel, tasks: Tasks, amount: Callable, fwd, bwd, horizon: int) -> None:
+    """Minimize ``T = max(fwd, link_F) + max(bwd, link_B)`` (timing.py): the forward phase (through
+    the criterion pack, ``fwd``) and the backward phase (``bwd``) each take at least their own
+    traffic on the shared host link. ``amount(col, rows)``: the model's sum of ``col`` over the
+    chosen tasks among ``rows`` (a mask over the task table)."""
+    d = tasks.ticks()
+    backward = d["backward"].astype(bool)
+    every = np.ones(len(backward), bool)
+    P = m.new_int_var(0, horizon, "forward_phase")
+    T = m.new_int_var(0, horizon, "iteration")
+    m.add(P >= fwd)
+    m.add(P >= amount(d["link_in"], ~backward))
+    m.add(P >= amount(d["link_out_fwd"], every))
+    m.add(T >= P + bwd)
+    m.add(T >= P + amount(d["link_in"], backward))
+    m.add(T >= P + amount(d["link_out"] - d["link_out_fwd"], every))
+    m.minimize(T)
+
+
 def stash_memory(m: cp_model.CpModel, tasks: Tasks, chosen: dict) -> None:
     """A forward pack holds one microbatch of the saved activations of its stashed layers until
     they leave (timing.stash_fits). ``chosen[row]`` lists the Booleans that place task ``row``

@@ -158,19 +158,10 @@ def build(tasks: Tasks, lay: Layout):
             c_j = m.new_bool_var(f"criterion_at_{j}")
             m.add(c_j == sum(here))
             m.add(e_crit == E[j]).only_enforce_if(c_j)
-    bwd = d["backward"].astype(bool)
 
-    def link(col, rows):
+    def amount(col, rows):
         return sum(int(col[k]) * v for (j, k), v in x.items() if rows[k] and col[k])
-    P = m.new_int_var(0, 2 * horizon, "forward_phase")
-    m.add(P >= e_crit)
-    m.add(P >= link(d["link_in"], ~bwd))
-    m.add(P >= link(d["link_out_fwd"], np.ones(len(t), bool)))
-    total = m.new_int_var(0, 3 * horizon, "iteration")
-    m.add(total >= P + T - e_crit)
-    m.add(total >= P + link(d["link_in"], bwd))
-    m.add(total >= P + link(d["link_out"] - d["link_out_fwd"], np.ones(len(t), bool)))
-    m.minimize(total)
+    cpsat.phase_objective(m, tasks, amount, e_crit, T - e_crit, 3 * horizon)
     # [END timing]
     return m, x
 

@@ -558,16 +558,18 @@ def _space_bound(S: _Search, found: list[_Candidate], open_bound: float, most: i
     bound of those not reached. A configuration whose plans may keep gradients on the GPU was
     searched on the model without, so for it only the bound of every variant of the model holds.
     While the lowest is a chain's that ``_tighten`` could raise, it does (at most ``most`` times)."""
+    on_floor = {id(c): not c.handoff and S.handoff(c.cfg) for c in found}
+
     def held(c):
-        return c.bound if c.handoff or not S.handoff(c.cfg) else c.floor
+        return c.floor if on_floor[id(c)] else c.bound
 
     def loose(c):
-        return not c.tight if c.handoff or not S.handoff(c.cfg) else not c.tight_floor
+        return not c.tight_floor if on_floor[id(c)] else not c.tight
     for _ in range(most):
         low = min(found, key=lambda c: (held(c), str(c.cfg)), default=None)
         if low is None or not loose(low) or held(low) >= open_bound or S.budget.left() <= 0:
             break
-        _tighten(S, low, floor=not low.handoff and S.handoff(low.cfg))
+        _tighten(S, low, floor=on_floor[id(low)])
     return min([held(c) for c in found] + [open_bound])
 
 
