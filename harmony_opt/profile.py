@@ -316,13 +316,21 @@ def _estimate_saved(profile: Profile, phase: str, u: int, memory: np.ndarray, in
     """Activation bytes autograd saves per layer, when the profile did not measure them.
 
     Estimated as the BWD peak minus the FWD peak at the same size (the backward's extra
-    memory is mostly what the forward saved), never less than the layer's input.
+    memory is mostly what the forward saved), never less than the layer's input. At a size
+    only one phase profiled (Harmony's profiles go to larger forward sizes), the estimate at
+    the nearest size both profiled, scaled by size: activations grow with the microbatch, and
+    the layer's input alone would undercount a large forward microbatch's stash some twentyfold.
     Profiles made by ``harmony-opt profile`` measure it instead (``saved_bytes``).
     """
     fwd_lo, fwd_hi = profile.size_range("FWD")
     bwd_lo, bwd_hi = profile.size_range("BWD")
-    if not (max(fwd_lo, bwd_lo) <= u <= min(fwd_hi, bwd_hi)):
+    lo, hi = max(fwd_lo, bwd_lo), min(fwd_hi, bwd_hi)
+    if lo > hi:
         return inputs[:-1].copy()
+    if not lo <= u <= hi:
+        near = int(np.clip(u, lo, hi))
+        scaled = np.trunc(profile.costs(phase, near).saved * (u / near)).astype(np.int64)
+        return np.maximum(scaled, inputs[:-1])
     other = "BWD" if phase == "FWD" else "FWD"
     om = profile._tables[other]
     sizes, _, m, _, _ = om

@@ -150,7 +150,10 @@ def build(tasks: Tasks, lay: Layout):
         m.add(T >= E[j])
         m.add(T >= FREE[j] + UPD[j])
     # T = max(E_crit, link_F) + max(T_pipe - E_crit, link_B): the forward phase ends with the
-    # criterion pack, and each phase takes at least its own traffic on the shared link (timing.py)
+    # criterion pack, and each phase takes at least its own traffic on the shared link (timing.py).
+    # E_crit is only bounded below: where link_F > E_crit the model may end the criterion pack up
+    # to link_F, shortening T_pipe - E_crit, so an objective can be below what its packs are worth
+    # (by at most link_F - E_crit); the planner re-evaluates every solution (timing.evaluate)
     e_crit = m.new_int_var(0, horizon, "E_crit")
     for j in range(J):
         here = [x[j, int(k)] for k in lay.rows[j] if t.kind[k] == C]

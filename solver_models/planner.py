@@ -4,8 +4,9 @@ Decomposition (DESIGN.md, performance rules), in four steps under one determinis
 
 1. **Configurations.** Every (mode, GPUs, u_fwd, u_bwd) that can matter (of the sizes giving
    the same number of microbatches, the smallest). Each gets a cheap valid lower bound on the
-   model's iteration time (``config_bound``: its least compute per GPU and the weights that
-   must cross the host link) and they are visited in the order of that bound.
+   model's iteration time (``config_bound``: its least compute per GPU, the weights that must
+   cross the host link, and in vPP the criterion pack's serial path) and they are visited in
+   the order of that bound.
 2. **A first solution per configuration** on the planner's model of the simulator (timing.py):
    the exact DP (dp.py) where one GPU runs the whole chain (vDP, one GPU), local search from
    balanced packs and the hint in vPP (search.py). A configuration whose cheap bound reaches
@@ -149,23 +150,32 @@ def configurations(profile: Profile, hw: Hardware, batch: int, opts: PlannerOpti
 def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool) -> float:
     """A valid lower bound on the model's iteration time of any plan of ``cfg`` (seconds).
 
-    ``T >= one``: the first microbatch passes every task in turn (what a pipeline of few
-    microbatches cannot hide). ``T >= C / ranks`` (compute per GPU) and ``T >= L`` (bytes into
-    the GPUs over the shared host link), so ``T >= mu * C / ranks + (1 - mu) * L`` for every mu
-    in [0, 1]. C counts every layer's backward on every microbatch and the forward of the layers before the smallest
-    criterion pack that fits; L the weights that must come in (every backward pack's and those
-    forward layers', from every replica). Where stash may replace a layer's recompute, its
-    microbatch takes max(backward without recompute, saved activations / link) (tasks.py) >=
-    lam * first + (1 - lam) * second, and its saved activations cross the link: with mu and lam
-    fixed the bound is a sum over layers of the cheaper choice, and the best (mu, lam) of a small
-    grid is taken."""
+    Every plan has a criterion pack [s, R-1] (one that fits); for each such s, and the least
+    over s is taken:
+
+    * ``T >= one``: the first microbatch passes every task in turn (what a pipeline of few
+      microbatches cannot hide). In vPP, more: the first microbatch's trip through the forward
+      layers before s, every microbatch of the criterion pack, the last microbatch's trip back
+      (``_criterion_path``): the criterion pack is one serial piece of work.
+    * ``T >= C / ranks`` (compute per GPU) and ``T >= L`` (bytes into the GPUs over the shared
+      host link), so ``T >= mu * C / ranks + (1 - mu) * L`` for every mu in [0, 1]. C counts
+      every layer's backward on every microbatch and the forward of the layers before s; L the
+      weights that must come in (every backward pack's and those forward layers', from every
+      replica). Where stash may replace a layer's recompute, its microbatch takes
+      max(backward without recompute, saved activations / link) (tasks.py) >= lam * first +
+      (1 - lam) * second, and its saved activations cross the link: with mu and lam fixed the
+      bound is a sum over layers of the cheaper choice, and the best (mu, lam) of a small grid
+      is taken.
+
+    Small criterion packs leave much forward compute; large ones a long serial piece: taking
+    the least over s of the larger of the two is what makes the bound of a vPP configuration
+    with few microbatches worth having."""
     R = profile.num_layers
     share = batch if cfg.mode == "vPP" else max(data_shares(batch, cfg.gpus))
     cb = profile.costs("BWD", cfg.u_bwd)
     fits = np.flatnonzero(cb.pack_memory(np.arange(R), np.full(R, R - 1)) <= cap)
     if len(fits) == 0:
         return float("inf")
-    s = int(fits[0])
     copies = cfg.gpus if cfg.mode == "vDP" else 1
     wait = copies if hw.shared_host_link else 1        # a transfer's time in vDP (tasks.py)
     link = (hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else cfg.gpus)
@@ -176,34 +186,67 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         no_rec += np.maximum(c.time - forward_costs(profile, u).time, 0.0)
         moved += c.saved * wait / hw.h2d_bandwidth
         saved += c.saved
-    forward = sum(float(profile.costs("FWD", u).pack_time(0, s - 1)) for u in split_microbatches(share, cfg.u_fwd)
-                  ) if s > 0 else 0.0
-    weights = profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1)
-    weights += (profile.param_bytes(0, s - 1) + profile.buffer_bytes(0, s - 1)) if s > 0 else 0
+    # per criterion start s in ``fits``: the forward compute and the weights of the layers before it
+    forward = sum(np.concatenate([[0.0], np.cumsum(profile.costs("FWD", u).time)])
+                  for u in split_microbatches(share, cfg.u_fwd))[fits]
+    layer_bytes = np.asarray(profile.param_bytes(np.arange(R), np.arange(R))
+                             + profile.buffer_bytes(np.arange(R), np.arange(R)), np.float64)
+    weights = layer_bytes.sum() + np.concatenate([[0.0], np.cumsum(layer_bytes)])[fits]
     n = cfg.ranks
     # every microbatch passes every task in turn: the first one alone takes its forward and backward
     first = profile.costs("BWD", split_microbatches(share, cfg.u_bwd)[0])
     per_layer = first.time                  # a stashed layer may skip its recompute
     if stash:
         per_layer = np.maximum(first.time - forward_costs(profile, first.u).time, 0.0)
-    one = float(per_layer.sum())
-    if s > 0:
-        one += float(profile.costs("FWD", split_microbatches(share, cfg.u_fwd)[0]).pack_time(0, s - 1))
+    fwd_first = profile.costs("FWD", split_microbatches(share, cfg.u_fwd)[0]).time
+    one = float(per_layer.sum()) + np.concatenate([[0.0], np.cumsum(fwd_first)])[fits]
+    if n > 1:
+        one = np.maximum(one, _criterion_path(profile, share, cfg, fits, stash))
     if not stash:
-        return max((float(bwd.sum()) + forward) / n, copies * float(weights) / link, one)
-    best = 0.0
-    rec, link_s = bwd / n, copies * saved / link
-    for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
-        st = (lam * no_rec + (1 - lam) * moved) / n
-        # the bound is concave and piecewise linear in mu: its maximum is at a layer's breakpoint
-        # (where recompute and stash cost the same) or an end of [0, 1]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            knees = np.where(rec - st + link_s > 0, link_s / (rec - st + link_s), 0.0)
-        mus = np.clip(np.concatenate([[0.0, 1.0], knees]), 0.0, 1.0)[:, None]
-        per_layer = np.minimum(mus * rec, mus * st + (1 - mus) * link_s).sum(axis=1)
-        total = per_layer + mus[:, 0] * forward / n + (1 - mus[:, 0]) * copies * float(weights) / link
-        best = max(best, float(total.max()))
-    return max(best, one)
+        return float(np.min(np.maximum.reduce([(float(bwd.sum()) + forward) / n, copies * weights / link, one])))
+    # the link: every phase takes at least its own traffic (timing.py), so T >= in_F + in_B (the
+    # weights of the forward layers and of every layer, stashed activations coming back) and
+    # T >= out_F + in_B (stashed activations leaving in the forward, every layer's weights, the
+    # stashed activations coming back): either may be the link term
+    k = copies * (1 if hw.shared_host_link else 1 / cfg.gpus)
+    back = saved / (hw.link_bandwidth or hw.h2d_bandwidth) * k
+    out = sum(profile.costs("FWD", u).saved for u in split_microbatches(share, cfg.u_fwd)
+              ) / (hw.link_bandwidth or hw.d2h_bandwidth) * k
+    w_in = weights / (hw.link_bandwidth or hw.h2d_bandwidth) * k
+    w_all = layer_bytes.sum() / (hw.link_bandwidth or hw.h2d_bandwidth) * k
+    best = np.zeros(len(fits))
+    rec = bwd / n
+    for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all))):
+        for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
+            st = (lam * no_rec + (1 - lam) * moved) / n
+            # the bound is concave and piecewise linear in mu: its maximum is at a layer's breakpoint
+            # (where recompute and stash cost the same) or an end of [0, 1]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                knees = np.where(rec - st + link_s > 0, link_s / (rec - st + link_s), 0.0)
+            mus = np.clip(np.concatenate([[0.0, 1.0], knees]), 0.0, 1.0)[:, None]
+            per_layer = np.minimum(mus * rec, mus * st + (1 - mus) * link_s).sum(axis=1)
+            total = per_layer[:, None] + mus * forward[None, :] / n + (1 - mus) * link_w[None, :]
+            best = np.maximum(best, total.max(axis=0))
+    return float(np.min(np.maximum(best, one)))
+
+
+def _criterion_path(profile: Profile, share: int, cfg: Config, fits: np.ndarray, stash: bool) -> np.ndarray:
+    """vPP, per criterion start s in ``fits``: the first microbatch's trip through the forward
+    layers before s, every microbatch of the criterion pack [s, R-1], the last microbatch's trip
+    back through the backward layers (in timing.py's recurrence: the S chain up to the criterion
+    task, its load, the E chain after it). A pack's compute is the sum of its layers', so this
+    holds for every packing of the other layers; where stash may replace a recompute, a backward
+    microbatch still takes at least its backward minus its forward (tasks.py)."""
+    R = profile.num_layers
+    ub = split_microbatches(share, cfg.u_bwd)
+    fwd_first = profile.costs("FWD", split_microbatches(share, cfg.u_fwd)[0]).time
+    bwd_last = profile.costs("BWD", ub[-1]).time
+    if stash:
+        bwd_last = bwd_last - forward_costs(profile, ub[-1]).time
+    before = np.concatenate([[0.0], np.cumsum(fwd_first)])[fits]
+    after = np.maximum(np.concatenate([[0.0], np.cumsum(bwd_last)])[fits], 0.0)
+    crit = sum(profile.costs("BWD", u).pack_time(fits, np.full(len(fits), R - 1)) for u in ub)
+    return before + crit + after
 
 
 @dataclasses.dataclass

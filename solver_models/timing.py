@@ -93,10 +93,20 @@ def evaluate(tasks: Tasks, seq: list[int]) -> float:
 
 
 def evaluate_ticks(tasks: Tasks, seq: list[int]) -> float:
+    parts = phase_parts(tasks, seq)
+    if parts is None:
+        return float("inf")
+    fwd_part, fwd_link, bwd_part, bwd_link = parts
+    return float(max(fwd_part, fwd_link) + max(bwd_part, bwd_link))
+
+
+def phase_parts(tasks: Tasks, seq: list[int]) -> tuple[int, int, int, int] | None:
+    """(forward phase, its link floor, backward phase, its link floor) in ticks; None where memory
+    does not fit."""
     d = tasks.ticks()
     cols = d["stacked"][:, seq]            # one gather: times, exact memory, mem, wb, link columns, phase
     if cols[7].max() > d["cap_exact"] or not stash_fits(tasks, seq):
-        return float("inf")
+        return None
     c = cols[:7].tolist()
     mem, wb = cols[8].tolist(), cols[9].tolist()
     link_in, link_out, out_fwd, bwd = cols[10], cols[11], cols[12], cols[13].astype(bool)
@@ -110,7 +120,7 @@ def evaluate_ticks(tasks: Tasks, seq: list[int]) -> float:
     # their own traffic on the shared link
     fwd_link = max(int(link_in[~bwd].sum()), int(out_fwd.sum()))
     bwd_link = max(int(link_in[bwd].sum()), int(link_out.sum() - out_fwd.sum()))
-    return float(max(fwd_part, fwd_link) + max(bwd_part, bwd_link))
+    return int(fwd_part), fwd_link, int(bwd_part), bwd_link
 
 
 def _pipeline_time(p1, pl, load, hop, wl, tail, upd, mem, wb, cap, n, crit: int) -> tuple[int, int]:

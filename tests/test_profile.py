@@ -144,3 +144,14 @@ def test_bad_profiles_name_file_row_and_column(tmp_path, layers, micro, fragment
 def test_missing_folder(tmp_path):
     with pytest.raises(ProfileError, match="does not exist"):
         Profile.load(tmp_path / "nope")
+
+
+def test_saved_activations_estimated_beyond_the_backward_sizes_grow_with_the_microbatch():
+    # Harmony's gpt2_xl profile has forward sizes 1..18 but backward sizes only 1..9: a stashed
+    # forward microbatch of 11 keeps about 11/9 of what one of 9 keeps, not just each layer's input
+    p = load_profile("gpt2_xl")
+    assert not p.has_saved_bytes and p.size_range("BWD")[1] == 9 < 11 <= p.size_range("FWD")[1]
+    at9, at11 = p.costs("FWD", 9).saved, p.costs("FWD", 11).saved
+    assert at11.sum() == pytest.approx(at9.sum() * 11 / 9, rel=1e-6)
+    assert np.all(at11 >= p.costs("FWD", 11).input[:-1])
+    assert at11.sum() > 10 * p.costs("FWD", 11).input[:-1].sum()
