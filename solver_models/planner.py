@@ -156,7 +156,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     * ``T >= one``: the first microbatch passes every task in turn (what a pipeline of few
       microbatches cannot hide). In vPP, more: the first microbatch's trip through the forward
       layers before s, every microbatch of the criterion pack, the last microbatch's trip back
-      (``_criterion_path``): the criterion pack is one serial piece of work.
+      (``_criterion_rest``): the criterion pack is one serial piece of work.
     * ``T >= C / ranks`` (compute per GPU) and ``T >= L`` (bytes into the GPUs over the shared
       host link), so ``T >= mu * C / ranks + (1 - mu) * L`` for every mu in [0, 1]. C counts
       every layer's backward on every microbatch and the forward of the layers before s; L the
@@ -176,47 +176,45 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     fits = np.flatnonzero(cb.pack_memory(np.arange(R), np.full(R, R - 1)) <= cap)
     if len(fits) == 0:
         return float("inf")
+    before = fits - 1                   # the layers before each criterion start: [0, s - 1]
+    uf, ub = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
     copies = cfg.gpus if cfg.mode == "vDP" else 1
     wait = copies if hw.shared_host_link else 1        # a transfer's time in vDP (tasks.py)
-    link = (hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else cfg.gpus)
+    # seconds per byte over the shared link, all copies' traffic counted (tasks.Tasks.ticks)
+    per_in = copies / ((hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else cfg.gpus))
+    per_out = copies / ((hw.link_bandwidth or hw.d2h_bandwidth) * (1 if hw.shared_host_link else cfg.gpus))
     bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
-    for u in split_microbatches(share, cfg.u_bwd):
+    for u in ub:
         c = profile.costs("BWD", u)
         bwd += c.time
         no_rec += np.maximum(c.time - forward_costs(profile, u).time, 0.0)
         moved += c.saved * wait / hw.h2d_bandwidth
         saved += c.saved
     # per criterion start s in ``fits``: the forward compute and the weights of the layers before it
-    forward = sum(np.concatenate([[0.0], np.cumsum(profile.costs("FWD", u).time)])
-                  for u in split_microbatches(share, cfg.u_fwd))[fits]
-    layer_bytes = np.asarray(profile.param_bytes(np.arange(R), np.arange(R))
-                             + profile.buffer_bytes(np.arange(R), np.arange(R)), np.float64)
-    weights = layer_bytes.sum() + np.concatenate([[0.0], np.cumsum(layer_bytes)])[fits]
+    forward = sum(profile.costs("FWD", u).pack_time(0, before) for u in uf)
+    w_all = profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1)
+    w_in = (w_all + profile.param_bytes(0, before) + profile.buffer_bytes(0, before)) * per_in
     n = cfg.ranks
     # every microbatch passes every task in turn: the first one alone takes its forward and backward
-    first = profile.costs("BWD", split_microbatches(share, cfg.u_bwd)[0])
+    first = profile.costs("BWD", ub[0])
     per_layer = first.time                  # a stashed layer may skip its recompute
     if stash:
         per_layer = np.maximum(first.time - forward_costs(profile, first.u).time, 0.0)
-    fwd_first = profile.costs("FWD", split_microbatches(share, cfg.u_fwd)[0]).time
-    one = float(per_layer.sum()) + np.concatenate([[0.0], np.cumsum(fwd_first)])[fits]
+    fwd_first = profile.costs("FWD", uf[0]).pack_time(0, before)
+    one = float(per_layer.sum()) + fwd_first
     if n > 1:
-        one = np.maximum(one, _criterion_path(profile, share, cfg, fits, stash))
+        one = np.maximum(one, fwd_first + _criterion_rest(profile, ub, fits, stash))
     if not stash:
-        return float(np.min(np.maximum.reduce([(float(bwd.sum()) + forward) / n, copies * weights / link, one])))
+        return float(np.min(np.maximum.reduce([(float(bwd.sum()) + forward) / n, w_in, one])))
     # the link: every phase takes at least its own traffic (timing.py), so T >= in_F + in_B (the
     # weights of the forward layers and of every layer, stashed activations coming back) and
     # T >= out_F + in_B (stashed activations leaving in the forward, every layer's weights, the
     # stashed activations coming back): either may be the link term
-    k = copies * (1 if hw.shared_host_link else 1 / cfg.gpus)
-    back = saved / (hw.link_bandwidth or hw.h2d_bandwidth) * k
-    out = sum(profile.costs("FWD", u).saved for u in split_microbatches(share, cfg.u_fwd)
-              ) / (hw.link_bandwidth or hw.d2h_bandwidth) * k
-    w_in = weights / (hw.link_bandwidth or hw.h2d_bandwidth) * k
-    w_all = layer_bytes.sum() / (hw.link_bandwidth or hw.h2d_bandwidth) * k
+    back = saved * per_in
+    out = sum(profile.costs("FWD", u).saved for u in uf) * per_out
     best = np.zeros(len(fits))
     rec = bwd / n
-    for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all))):
+    for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all * per_in))):
         for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
             st = (lam * no_rec + (1 - lam) * moved) / n
             # the bound is concave and piecewise linear in mu: its maximum is at a layer's breakpoint
@@ -230,23 +228,19 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     return float(np.min(np.maximum(best, one)))
 
 
-def _criterion_path(profile: Profile, share: int, cfg: Config, fits: np.ndarray, stash: bool) -> np.ndarray:
-    """vPP, per criterion start s in ``fits``: the first microbatch's trip through the forward
-    layers before s, every microbatch of the criterion pack [s, R-1], the last microbatch's trip
-    back through the backward layers (in timing.py's recurrence: the S chain up to the criterion
-    task, its load, the E chain after it). A pack's compute is the sum of its layers', so this
-    holds for every packing of the other layers; where stash may replace a recompute, a backward
-    microbatch still takes at least its backward minus its forward (tasks.py)."""
+def _criterion_rest(profile: Profile, ub: list[int], fits: np.ndarray, stash: bool) -> np.ndarray:
+    """vPP, per criterion start s in ``fits``: after the first microbatch's trip through the
+    forward layers before s, every microbatch of the criterion pack [s, R-1], then the last
+    microbatch's trip back through the backward layers (in timing.py's recurrence: the S chain up
+    to the criterion task, its load, the E chain after it). A pack's compute is the sum of its
+    layers', so this holds for every packing of the other layers; where stash may replace a
+    recompute, a backward microbatch still takes at least its backward minus its forward (tasks.py)."""
     R = profile.num_layers
-    ub = split_microbatches(share, cfg.u_bwd)
-    fwd_first = profile.costs("FWD", split_microbatches(share, cfg.u_fwd)[0]).time
-    bwd_last = profile.costs("BWD", ub[-1]).time
+    back = profile.costs("BWD", ub[-1]).pack_time(0, fits - 1)
     if stash:
-        bwd_last = bwd_last - forward_costs(profile, ub[-1]).time
-    before = np.concatenate([[0.0], np.cumsum(fwd_first)])[fits]
-    after = np.maximum(np.concatenate([[0.0], np.cumsum(bwd_last)])[fits], 0.0)
+        back = np.maximum(back - forward_costs(profile, ub[-1]).pack_time(0, fits - 1), 0.0)
     crit = sum(profile.costs("BWD", u).pack_time(fits, np.full(len(fits), R - 1)) for u in ub)
-    return before + crit + after
+    return crit + back
 
 
 @dataclasses.dataclass
