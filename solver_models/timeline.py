@@ -24,6 +24,7 @@ no dispatcher can.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from collections import defaultdict
@@ -114,12 +115,9 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     for q in queues.values():                  # FIFO per stream
         for a, b in zip(q, q[1:]):
             m.add(start[b] >= end[a])
-    links = defaultdict(list)
-    for k, e in enumerate(ev):
-        if e.link is not None:
-            links[e.link if hw.shared_host_link else (e.link, e.rank)].append(k)
-    for key, ks in links.items():
-        slots = hw.link_slots if hw.shared_host_link else 1
+    links = link_resources(ev, hw)
+    slots = hw.link_slots if hw.shared_host_link else 1
+    for ks in links.values():
         if len(ks) > slots:
             m.add_cumulative([iv[k] for k in ks], [1] * len(ks), slots)
     # memory: each reservation from the start of the event that makes it to the end of the one that frees it
@@ -134,7 +132,10 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     for rank, items in held.items():
         if sum(b for _, b in items) > cap:
             m.add_cumulative([i for i, _ in items], [int(b) for _, b in items], cap)
-    T = m.new_int_var(0, horizon, "makespan")
+    # no schedule of these events ends before floor (precedences, streams, the link as one machine):
+    # stated, it lets CP-SAT stop as soon as the hint is within its gap of it
+    floor = _floor_ticks(ev, queues, ticks, links.values(), slots)
+    T = m.new_int_var(min(floor, horizon), horizon, "makespan")
     m.add_max_equality(T, end)
     m.add_hint(T, max(ticks(e.start) + ticks(e.duration) for e in ev))
     m.minimize(T)
@@ -146,9 +147,9 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     wall = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return TimelineResult(name, None, float("nan"), simulated, len(ev), wall, [])
-    # a search stopped by its budget before propagating may report a bound of 0; the longest chain
-    # of precedences and the busiest stream hold for every schedule of these events all the same
-    bound = max(solver.best_objective_bound, _floor_ticks(ev, queues, ticks))
+    # a search stopped by its budget before propagating may report a bound of 0; the floor holds for
+    # every schedule of these events all the same
+    bound = max(solver.best_objective_bound, floor)
     if report:
         report(f"timeline: {len(ev)} events, CP-SAT {name.lower()} {solver.objective_value / SCALE:.4f} s "
                f"(bound {bound / SCALE:.4f} s), simulator {simulated:.4f} s")
@@ -156,16 +157,62 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
                           len(ev), wall, [solver.value(s) / SCALE for s in start])
 
 
-def _floor_ticks(ev, queues, ticks) -> int:
+def link_resources(ev, hw: Hardware) -> dict:
+    """Transfer events by the link they share: per direction (per GPU and direction when each GPU
+    has its own link), each carrying at most ``link_slots`` (1) transfers at once."""
+    links = defaultdict(list)
+    for k, e in enumerate(ev):
+        if e.link is not None:
+            links[e.link if hw.shared_host_link else (e.link, e.rank)].append(k)
+    return links
+
+
+def _floor_ticks(ev, queues, ticks, links=(), slots: int = 1) -> int:
     """The makespan no schedule of ``ev`` beats: the longest path through the model's precedences
-    (dependencies, prefetch start links, each stream's order), or the busiest stream's total."""
+    (dependencies, prefetch start links, each stream's order), the busiest stream's total, and each
+    link's one-machine bound (``one_machine_bound``: its transfers, which the path lets run side by
+    side on different streams and GPUs, queue on it)."""
     fifo = {b: a for q in queues.values() for a, b in zip(q, q[1:])}     # b starts after a ends
     dur = [ticks(e.duration) for e in ev]
-    graph = {k: {*e.deps, *e.start_deps, *([fifo[k]] if k in fifo else [])} for k, e in enumerate(ev)}
-    est = [0] * len(ev)
-    for k in TopologicalSorter(graph).static_order():
-        e = ev[k]
-        ends = [*e.deps, *([fifo[k]] if k in fifo else [])]
-        est[k] = max([0, *(est[d] + dur[d] for d in ends), *(est[d] for d in e.start_deps)])
-    path = max((s + d for s, d in zip(est, dur)), default=0)
-    return max(path, max((sum(dur[k] for k in q) for q in queues.values()), default=0))
+    after_end = [[*e.deps, *([fifo[k]] if k in fifo else [])] for k, e in enumerate(ev)]
+    graph = {k: {*after_end[k], *e.start_deps} for k, e in enumerate(ev)}
+    order = list(TopologicalSorter(graph).static_order())
+    head = [0] * len(ev)            # earliest start
+    for k in order:
+        head[k] = max([0, *(head[d] + dur[d] for d in after_end[k]), *(head[d] for d in ev[k].start_deps)])
+    rest = list(dur)                # from the event's start to the end of the iteration, at least
+    for k in reversed(order):
+        for d in after_end[k]:
+            rest[d] = max(rest[d], dur[d] + rest[k])
+        for d in ev[k].start_deps:
+            rest[d] = max(rest[d], rest[k])
+    path = max((h + r for h, r in zip(head, rest)), default=0)
+    busiest = max((sum(dur[k] for k in q) for q in queues.values()), default=0)
+    # c slots of a link do at most what one machine c times as fast does, preemption allowed
+    machine = max((one_machine_bound([slots * head[k] for k in ks], [dur[k] for k in ks],
+                                     [slots * (rest[k] - dur[k]) for k in ks]) // slots for ks in links), default=0)
+    return max(path, busiest, machine)
+
+
+def one_machine_bound(release, length, tail) -> int:
+    """The least makespan of jobs on one machine, each after its release and followed by its tail, with
+    preemption allowed (Jackson's rule: the released job with the longest tail runs first). Carlier
+    (1982): it equals the largest ``min release + sum of lengths + min tail`` over any subset of the
+    jobs, so it bounds every non-preemptive schedule; O(n log n)."""
+    jobs = sorted(range(len(release)), key=release.__getitem__)
+    ready, left, t, i, best = [], list(length), 0, 0, 0
+    while i < len(jobs) or ready:
+        if not ready:
+            t = max(t, release[jobs[i]])
+        while i < len(jobs) and release[jobs[i]] <= t:
+            heapq.heappush(ready, (-tail[jobs[i]], jobs[i]))
+            i += 1
+        neg_tail, k = ready[0]
+        until = release[jobs[i]] if i < len(jobs) else math.inf
+        run = min(left[k], until - t)       # until done or the next release, which may preempt it
+        t += run
+        left[k] -= run
+        if left[k] <= 0:
+            heapq.heappop(ready)
+            best = max(best, t - neg_tail)
+    return best

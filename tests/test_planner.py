@@ -272,6 +272,53 @@ def test_timeline_bound_holds_when_the_search_has_no_time():
     assert starved.bound_s <= full.makespan_s + 1e-6 and full.bound_s <= full.makespan_s + 1e-6
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 9), st.integers(0, 20)), min_size=1, max_size=6))
+def test_one_machine_bound_is_the_best_subset_bound_and_no_schedule_beats_it(jobs):
+    """Carlier's theorem, brute force: the preemptive Jackson value is the largest min release + sum of
+    lengths + min tail over the subsets, and no order of the jobs, run without preemption, ends earlier."""
+    import itertools
+    from solver_models.timeline import one_machine_bound
+    release, length, tail = (list(c) for c in zip(*jobs))
+    value = one_machine_bound(release, length, tail)
+    n = len(jobs)
+    subsets = (s for r in range(1, n + 1) for s in itertools.combinations(range(n), r))
+    assert value == max(min(release[k] for k in s) + sum(length[k] for k in s) + min(tail[k] for k in s)
+                        for s in subsets)
+
+    def makespan(order):
+        t, end = 0, 0
+        for k in order:
+            t = max(t, release[k]) + length[k]
+            end = max(end, t + tail[k])
+        return end
+    assert value <= min(makespan(o) for o in itertools.permutations(range(n)))
+
+
+def test_timeline_bound_counts_the_transfers_queueing_on_the_shared_link():
+    """Four vDP replicas on one host link: their transfers, which the precedences let run side by
+    side, queue on it. The link's one-machine bound lifts the timeline bound above the longest chain
+    and the busiest stream, and stays below the optimum CP-SAT proves."""
+    import math
+    from harmony_opt.plan import Plan
+    from harmony_opt.simulator import _Expansion
+    from solver_models.timeline import SCALE, _floor_ticks, link_resources, solve_timeline
+    prof, hw = synthetic_profile(R=6, seed=1), get_hardware("1080ti-x4").with_gpus(4)
+    bwd = [(0, 1), (2, 3), (4, 5)]
+    p = Plan("t", "vDP", 4, 16, 2, 2, bwd[:-1], bwd, 6)
+    sim = _Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
+    sim.build()
+    queues = {k: list(v) for k, v in sim.streams.items()}
+    sim.run(with_timeline=False)
+    ticks = lambda s: int(math.floor(s * SCALE))  # noqa: E731
+    without = _floor_ticks(sim.events, queues, ticks) / SCALE
+    starved = solve_timeline(p, prof, hw, time_limit=1e-9)
+    best = solve_timeline(p, prof, hw, time_limit=10)
+    assert best.status == "OPTIMAL"
+    assert without * 1.05 < starved.bound_s <= best.makespan_s + 1e-6
+    assert link_resources(sim.events, hw).keys() == {"h2d", "d2h"}
+
+
 def test_gradients_are_kept_on_the_gpu_where_that_is_faster():
     """vgg416, D=32, vDP on 2 GPUs: one 16-sample backward microbatch per GPU, so the planner's
     plan keeps each activation gradient on the GPU for the next backward pack; the report's
