@@ -28,7 +28,9 @@ over all plans (harmony_opt.bound) and the speed-up over Harmony's search.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
+import math
 import time
 
 import numpy as np
@@ -38,13 +40,14 @@ from harmony_opt.bound import lower_bound
 from harmony_opt.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from harmony_opt.hardware import Hardware
 from harmony_opt.harmony_compat import simulate_harmony
-from harmony_opt.memory import explain_infeasible
+from harmony_opt.memory import explain_infeasible, max_pack_end
 from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.profile import Profile
 from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
-from .tasks import MAX_LAYERS_WITH_STASH, Config, Tasks, build_tasks, candidate_cuts, forward_costs
+from .tasks import (MAX_LAYERS_WITH_STASH, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
+                    forward_costs)
 from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
 
@@ -154,9 +157,11 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     over s is taken:
 
     * ``T >= one``: the first microbatch passes every task in turn (what a pipeline of few
-      microbatches cannot hide). In vPP, more: the first microbatch's trip through the forward
-      layers before s, every microbatch of the criterion pack, the last microbatch's trip back
-      (``_criterion_rest``): the criterion pack is one serial piece of work.
+      microbatches cannot hide). In vPP, more: it is handed from task to task (``_pipeline_hops``)
+      and the last task runs its other microbatches after it; and the first microbatch's trip
+      through the forward layers before s, every microbatch of the criterion pack, the last
+      microbatch's trip back (``_criterion_rest``), handed on the same way: the criterion pack is
+      one serial piece of work.
     * ``T >= C / ranks`` (compute per GPU) and ``T >= L`` (bytes into the GPUs over the shared
       host link), so ``T >= mu * C / ranks + (1 - mu) * L`` for every mu in [0, 1]. C counts
       every layer's backward on every microbatch and the forward of the layers before s; L the
@@ -203,7 +208,9 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     fwd_first = profile.costs("FWD", uf[0]).pack_time(0, before)
     one = float(per_layer.sum()) + fwd_first
     if n > 1:
-        one = np.maximum(one, fwd_first + _criterion_rest(profile, ub, fits, stash))
+        fwd_hops, back_hops, back_rest = _pipeline_hops(profile, hw, cfg, uf, ub, cap, fits, stash)
+        one = np.maximum(one + fwd_hops + back_rest,
+                         fwd_first + _criterion_rest(profile, ub, fits, stash) + fwd_hops + back_hops)
     if not stash:
         return float(np.min(np.maximum.reduce([(float(bwd.sum()) + forward) / n, w_in, one])))
     # the link: every phase takes at least its own traffic (timing.py), so T >= in_F + in_B (the
@@ -226,6 +233,57 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
             total = per_layer[:, None] + mus * forward[None, :] / n + (1 - mus) * link_w[None, :]
             best = np.maximum(best, total.max(axis=0))
     return float(np.min(np.maximum(best, one)))
+
+
+def _pipeline_hops(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int,
+                   fits: np.ndarray, stash: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """vPP, per criterion start s in ``fits``, the least over every packing of [0, s - 1] into packs
+    that fit of: the handoffs into the forward packs and into the criterion pack; the handoffs into
+    the backward packs; the same plus the other microbatches of the last backward pack (the one
+    holding layer 0). In timing.py's recurrence a task's first microbatch starts after the previous
+    task's, plus the handoff into it (``S_j >= S_{j-1} + p_first_{j-1} + hop_j``), its last one
+    after the previous task's last, plus the handoff (``E_j``), and the last task ends after all its
+    microbatches; so these add to the first and the last microbatch's trips. Shortest paths over
+    the layer boundaries, every boundary a candidate (the planner's candidates are a subset)."""
+    hf, hc, hb = boundary_hops(profile, hw, cfg, uf, ub)
+    R = profile.num_layers
+    zero = np.zeros(R)
+    fwd = _least_packing(max_pack_end(profile.costs("FWD", cfg.u_fwd), cap), hf, zero, zero)
+    end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
+    back = _least_packing(end_b, zero, hb, zero)
+    # the last backward pack [0, b - 1]: its microbatches after the first (at least their backward
+    # without the recompute where stash may skip it)
+    top = np.arange(R) - 1
+    rest = np.zeros(R)
+    for u in ub[1:]:
+        t = profile.costs("BWD", u).pack_time(0, top)
+        if stash:
+            t = np.maximum(t - forward_costs(profile, u).pack_time(0, top), 0.0)
+        rest += np.where(top >= 0, t, 0.0)
+    back_rest = _least_packing(end_b, zero, hb, rest)
+    return fwd[fits] + hc[fits], back[fits], back_rest[fits]
+
+
+def _least_packing(max_end: np.ndarray, at_start: np.ndarray, at_top: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """``least[b]``: the least total cost of packing layers [0, b - 1] into packs [a, c - 1] that fit
+    (``c - 1 <= max_end[a]``), a pack costing ``at_start[a] + at_top[c]``, plus ``first[c]`` for the
+    one starting at layer 0 (inf where no packing exists). O(R log R): each pack start waits in a
+    heap until the boundaries it reaches are passed."""
+    R = len(max_end)
+    reach, start, top, first = (max_end + 1).tolist(), at_start.tolist(), at_top.tolist(), first.tolist()
+    least = [0.0] * R
+    heap: list[tuple[float, int]] = []       # (least[a] + at_start[a], last boundary a reaches)
+    for c in range(1, R):
+        a = c - 1
+        if a >= 1 and least[a] < math.inf:
+            heapq.heappush(heap, (least[a] + start[a], reach[a]))
+        while heap and heap[0][1] < c:
+            heapq.heappop(heap)
+        best = heap[0][0] if heap else math.inf
+        if reach[0] >= c:
+            best = min(best, start[0] + first[c])
+        least[c] = best + top[c]
+    return np.asarray(least)
 
 
 def _criterion_rest(profile: Profile, ub: list[int], fits: np.ndarray, stash: bool) -> np.ndarray:

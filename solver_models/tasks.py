@@ -206,6 +206,34 @@ def enumerate_packs(max_end: np.ndarray, lo: int, hi: int, cuts: np.ndarray,
     return np.concatenate(starts), np.concatenate(ends)
 
 
+def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int], ub_list: list[int],
+                  pin_b: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer boundary b (0..R-1), the ``hop_in`` of a task whose input crosses it (the module
+    docstring): a forward pack starting at b, the criterion pack [b, R-1], a backward pack ending at
+    b - 1 (its dY; a stashed pack adds its saved activations' first transfer)."""
+    n = cfg.gpus
+    copies = n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1
+    bw_in, bw_out = hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies
+    # a round trip through host memory: the replica served last waits for every replica's way out,
+    # but by then the others' ways back are done, so its own way back runs alone
+    bw_back = bw_in * copies
+    p2p = hw.p2p_bandwidth if (cfg.ranks > 1 and hw.p2p_bandwidth > 0) else 0.0
+
+    def handoff(x):
+        """Latency of moving one microbatch's activation to the next task (on another GPU if p2p)."""
+        return x / p2p if p2p > 0 else x / bw_out + x / bw_back
+    R = profile.num_layers
+    b = np.arange(R)
+    x_f = profile.costs("FWD", uf_list[0]).input[:R]
+    x_b = profile.costs("BWD", ub_list[0]).input[:R]
+    y_src = profile.costs("FWD", uf_list[-1]).input[:R]
+    rebatch = cfg.u_fwd != cfg.u_bwd
+    hf = np.where(b == 0, x_f / bw_in, handoff(x_f))
+    hc = np.where(b == 0, x_b / bw_in, y_src / bw_out + x_b / bw_back if (rebatch or p2p == 0) else y_src / p2p)
+    hb = np.zeros(R) if pin_b else handoff(x_b)
+    return hf, hc, hb
+
+
 def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, *,
                 gpu_opt: bool = True, stash: bool = True, cuts: np.ndarray | None = None,
                 gpu_handoff: bool = False) -> Tasks:
@@ -222,9 +250,6 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     chain = cfg.ranks == 1
     copies = n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1
     bw_in, bw_out = hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies     # see the module docstring
-    # a round trip through host memory: the replica served last waits for every replica's way out,
-    # but by then the others' ways back are done, so its own way back runs alone
-    bw_back = bw_in * copies
     p2p = hw.p2p_bandwidth if (not chain and hw.p2p_bandwidth > 0) else 0.0
     # activation gradients kept on the GPU between backward packs (Plan.keeps_on_gpu)
     pin_b = gpu_handoff and chain and len(ub_list) == 1
@@ -236,12 +261,6 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     def total(phase, us, fn):
         return sum(fn(profile.costs(phase, u)) for u in us)
 
-    def handoff(x_send, x_recv):
-        """Latency of moving one microbatch's activation to the next task (on another GPU if p2p)."""
-        if p2p > 0:
-            return x_send / p2p
-        return x_send / bw_out + x_recv / bw_back
-
     def send(x):
         """Time until the sender is rid of an output: P2P, or its swap-out to host."""
         return x / p2p if p2p > 0 else x / bw_out
@@ -250,7 +269,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     # ---- forward packs over 0 .. R-2 (the criterion pack holds R-1)
     fs, fe = enumerate_packs(max_pack_end(cf, cap), 0, R - 2, cuts)
     wb = profile.param_bytes(fs, fe) + profile.buffer_bytes(fs, fe)
-    x_first = cf_first.input[fs]
+    hf, hc, hb = boundary_hops(profile, hw, cfg, uf_list, ub_list, pin_b)
     y_last = cf_last.input[fe + 1]
     x_all = total("FWD", uf_list, lambda c: c.input[fs])
     y_all = total("FWD", uf_list, lambda c: c.input[fe + 1])
@@ -260,7 +279,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         F, fs, fe, True, False,
         p_first=cf_first.pack_time(fs, fe), p_last=cf_last.pack_time(fs, fe),
         load=total("FWD", uf_list, lambda c: c.pack_time(fs, fe)),
-        hop_in=np.where(fs == 0, x_first / bw_in, handoff(x_first, x_first)),
+        hop_in=hf[fs],
         w_load=wb / bw_in, mem=fwd_mem, wb=wb, tail=send(y_last), upd=0.0,
         h2d=wb + np.where((fs == 0) | via_host, x_all, 0), d2h=np.where(via_host, y_all, 0),
         d2h_fwd=np.where(via_host, y_all, 0)))
@@ -291,13 +310,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         mem = np.asarray(cb.pack_memory(s, e), np.float64)
         # input: the loss pack's from the last forward pack (re-batched through host when the sizes
         # differ), a backward pack's dY from the previous backward pack; the first pack's from host
-        x_in = cb_first.input[s] if kind == C else cb_first.input[e + 1]
-        if kind == C:
-            y_src = cf_last.input[s]
-            hop = np.where(s == 0, x_in / bw_in,
-                           y_src / bw_out + x_in / bw_back if (rebatch or p2p == 0) else y_src / p2p)
-        else:
-            hop = (0.0 if pin_b else handoff(x_in, x_in)) + hop_extra
+        hop = hc[s] if kind == C else hb[e + 1] + hop_extra
         # outputs: dX of the last microbatch to the next backward pack; weight gradients
         dx = np.where(s > 0, 0.0 if pin_b else send(cb_last.input[s]), 0.0)
         ard = 2 * (n - 1) / n * w / hw.p2p_bandwidth if replicas > 1 else np.zeros(len(s))

@@ -108,6 +108,46 @@ def test_configuration_bound_is_below_every_plan_of_the_configuration(R, seed, u
             assert exact is None or bound <= exact[0] + 1e-9
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 8).flatmap(lambda R: st.tuples(
+    st.lists(st.integers(-1, R), min_size=R, max_size=R),
+    *(st.lists(st.integers(0, 9), min_size=R, max_size=R) for _ in range(3)))))
+def test_least_packing_is_the_cheapest_packing_by_brute_force(case):
+    """The shortest path over layer boundaries the vPP bound uses: every packing of [0, b - 1] into
+    packs that fit, enumerated."""
+    import itertools
+    import numpy as np
+    from solver_models.planner import _least_packing
+    ends, start, top, first = case
+    R = len(ends)
+    max_end = np.maximum(np.asarray(ends), np.arange(R) - 1)       # max_pack_end's range
+    least = _least_packing(max_end, np.asarray(start, float), np.asarray(top, float), np.asarray(first, float))
+    assert least[0] == 0
+    for b in range(1, R):
+        best = np.inf
+        for k in range(b):
+            for inner in itertools.combinations(range(1, b), k):
+                bounds = [0, *inner, b]
+                packs = list(zip(bounds, bounds[1:]))
+                if all(c - 1 <= max_end[a] for a, c in packs):
+                    best = min(best, sum(start[a] + top[c] for a, c in packs) + first[packs[0][1]])
+        assert least[b] == best
+
+
+def test_vpp_bound_counts_the_handoffs_between_packs():
+    """vgg416, D=64, vPP on 4 GPUs with 4 microbatches: one microbatch's compute is the compute per
+    GPU, and what keeps the pipeline from it is the first microbatch's handoffs from pack to pack
+    and the last pack's other microbatches; the bound counts them (the cheapest packing's) and so
+    rises above both, still below the plans the search finds."""
+    prof, hw, cap = load_profile("vgg416"), get_hardware("1080ti-x4"), 10 * 2**30
+    cfg = Config("vPP", 4, 16, 16)
+    per_gpu = sum(float(prof.costs(p, 16).time.sum()) for p in ("FWD", "BWD"))   # 4 x 16 samples / 4 GPUs
+    bound = config_bound(prof, hw, 64, cfg, cap, stash=False)
+    tasks = build_tasks(prof, hw, 64, cfg, cap, stash=False)
+    best = min(v for v, _ in search.starts(tasks, prof, tries=4)[0])
+    assert per_gpu * 1.04 < bound <= best
+
+
 def _stashed(tasks, seq):
     """``seq`` with each backward pack switched to its stash variant where one exists and fits."""
     idx, t = tasks.table.index(), tasks.table
