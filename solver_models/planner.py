@@ -251,15 +251,8 @@ def _pipeline_hops(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     fwd = _least_packing(max_pack_end(profile.costs("FWD", cfg.u_fwd), cap), hf, zero, zero)
     end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
     back = _least_packing(end_b, zero, hb, zero)
-    # the last backward pack [0, b - 1]: its microbatches after the first (at least their backward
-    # without the recompute where stash may skip it)
-    top = np.arange(R) - 1
-    rest = np.zeros(R)
-    for u in ub[1:]:
-        t = profile.costs("BWD", u).pack_time(0, top)
-        if stash:
-            t = np.maximum(t - forward_costs(profile, u).pack_time(0, top), 0.0)
-        rest += np.where(top >= 0, t, 0.0)
+    # the last backward pack [0, b - 1]: its microbatches after the first
+    rest = sum((_backward_time(profile, u, 0, np.arange(R) - 1, stash) for u in ub[1:]), zero)
     back_rest = _least_packing(end_b, zero, hb, rest)
     return fwd[fits] + hc[fits], back[fits], back_rest[fits]
 
@@ -291,14 +284,18 @@ def _criterion_rest(profile: Profile, ub: list[int], fits: np.ndarray, stash: bo
     forward layers before s, every microbatch of the criterion pack [s, R-1], then the last
     microbatch's trip back through the backward layers (in timing.py's recurrence: the S chain up
     to the criterion task, its load, the E chain after it). A pack's compute is the sum of its
-    layers', so this holds for every packing of the other layers; where stash may replace a
-    recompute, a backward microbatch still takes at least its backward minus its forward (tasks.py)."""
+    layers', so this holds for every packing of the other layers (``_backward_time``: where stash may
+    replace a recompute)."""
     R = profile.num_layers
-    back = profile.costs("BWD", ub[-1]).pack_time(0, fits - 1)
-    if stash:
-        back = np.maximum(back - forward_costs(profile, ub[-1]).pack_time(0, fits - 1), 0.0)
     crit = sum(profile.costs("BWD", u).pack_time(fits, np.full(len(fits), R - 1)) for u in ub)
-    return crit + back
+    return crit + _backward_time(profile, ub[-1], 0, fits - 1, stash)
+
+
+def _backward_time(profile: Profile, u: int, a, b, stash: bool):
+    """Backward compute of one microbatch of ``u`` samples over packs [a, b] (0 where empty); where
+    stash may replace the recompute, at least the backward minus its forward (tasks.py)."""
+    t = profile.costs("BWD", u).pack_time(a, b)
+    return np.maximum(t - forward_costs(profile, u).pack_time(a, b), 0.0) if stash else t
 
 
 @dataclasses.dataclass

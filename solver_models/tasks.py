@@ -206,18 +206,24 @@ def enumerate_packs(max_end: np.ndarray, lo: int, hi: int, cuts: np.ndarray,
     return np.concatenate(starts), np.concatenate(ends)
 
 
+def link_rates(hw: Hardware, cfg: Config) -> tuple[int, float, float, float]:
+    """(copies, host->GPU and GPU->host bytes/s of one transfer, P2P bytes/s or 0) of ``cfg``'s
+    transfers: in vDP the replicas share the host link, each transfer taking ``copies`` times as long
+    as alone (the module docstring); P2P only between the GPUs of a pipeline."""
+    copies = cfg.gpus if cfg.mode == "vDP" and cfg.gpus > 1 and hw.shared_host_link else 1
+    p2p = hw.p2p_bandwidth if (cfg.ranks > 1 and hw.p2p_bandwidth > 0) else 0.0
+    return copies, hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies, p2p
+
+
 def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int], ub_list: list[int],
                   pin_b: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer boundary b (0..R-1), the ``hop_in`` of a task whose input crosses it (the module
     docstring): a forward pack starting at b, the criterion pack [b, R-1], a backward pack ending at
-    b - 1 (its dY; a stashed pack adds its saved activations' first transfer)."""
-    n = cfg.gpus
-    copies = n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1
-    bw_in, bw_out = hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies
+    b - 1 (its dY; the task of a stashed pack adds its saved activations' first transfer)."""
+    copies, bw_in, bw_out, p2p = link_rates(hw, cfg)
     # a round trip through host memory: the replica served last waits for every replica's way out,
     # but by then the others' ways back are done, so its own way back runs alone
     bw_back = bw_in * copies
-    p2p = hw.p2p_bandwidth if (cfg.ranks > 1 and hw.p2p_bandwidth > 0) else 0.0
 
     def handoff(x):
         """Latency of moving one microbatch's activation to the next task (on another GPU if p2p)."""
@@ -248,9 +254,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     uf_list, ub_list = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
     n = cfg.gpus
     chain = cfg.ranks == 1
-    copies = n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1
-    bw_in, bw_out = hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies     # see the module docstring
-    p2p = hw.p2p_bandwidth if (not chain and hw.p2p_bandwidth > 0) else 0.0
+    copies, bw_in, bw_out, p2p = link_rates(hw, cfg)
     # activation gradients kept on the GPU between backward packs (Plan.keeps_on_gpu)
     pin_b = gpu_handoff and chain and len(ub_list) == 1
     replicas = n if cfg.mode == "vDP" and n > 1 and hw.p2p_bandwidth > 0 else 1
