@@ -1,6 +1,8 @@
 """The GPU experiment's logic (experiments/gpu/), run on the CPU with tiny models and caps."""
 from __future__ import annotations
 
+import signal
+
 import pandas as pd
 import pytest
 
@@ -73,9 +75,13 @@ def test_handoff_stage_trains_a_plan_both_ways_and_reports_it(tmp_path):
                                        (["--models", "gpt2-xl"], "--models: unknown gpt2-xl"),
                                        (["--gpu", "nowhere", "--stages", "plan"], "profile folder")])
 def test_bad_input_is_one_line_and_exit_2(bad, says, tmp_path, capsys):
+    before = signal.getsignal(signal.SIGTERM)
     assert main(["--quick", "--device", "cpu", "--root", str(tmp_path), *bad]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1
+    # the time limit's SIGTERM handler is the command's alone: a caller's own SIGTERM (pytest under
+    # `timeout`) must not become a SystemExit inside whatever test runs next
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_cached_model_build_has_the_same_weights_and_buffers(tmp_path):

@@ -313,12 +313,19 @@ def stage_report(P: Paths, workloads, caps, device_name: str) -> None:
 
 
 def main(argv=None) -> int:
-    """Bad input ends in one line and exit code 2, as the tool's own commands do."""
+    """Bad input ends in one line and exit code 2, as the tool's own commands do.
+
+    A time limit's SIGTERM unwinds like Ctrl-C: the run in flight is killed, finished results
+    stay. The handler is put back on return, so that a caller's process (a test run) does not
+    turn its own SIGTERM into a SystemExit inside whatever runs next."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return _main(argv)
     except HarmonyOptError as e:
         print(f"python -m experiments.gpu: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv) -> int:
@@ -339,8 +346,6 @@ def _main(argv) -> int:
                          "e.g. --device cpu --gpu h100 --stages plan plans from a GPU's measurements on a CPU")
     ap.add_argument("--caps", default=None, help="comma list of caps in GB (default 11,24)")
     args = ap.parse_args(argv)
-    # a time limit's SIGTERM unwinds like Ctrl-C: the run in flight is killed, finished results stay
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
 
