@@ -47,7 +47,7 @@ from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
 from .tasks import (MAX_LAYERS_WITH_STASH, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
-                    forward_costs)
+                    forward_costs, link_rates)
 from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
 
@@ -168,9 +168,9 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
       weights that must come in (every backward pack's and those forward layers', from every
       replica). Where stash may replace a layer's recompute, its microbatch takes
       max(backward without recompute, saved activations / link) (tasks.py) >= lam * first +
-      (1 - lam) * second, and its saved activations cross the link: with mu and lam fixed the
-      bound is a sum over layers of the cheaper choice, and the best (mu, lam) of a small grid
-      is taken.
+      (1 - lam) * second, its pack carries what the forward compute does not hide of their
+      way out (tasks.py), and they cross the link: with mu and lam fixed the bound is a sum over
+      layers of the cheaper choice, and the best (mu, lam) of a small grid is taken.
 
     Small criterion packs leave much forward compute; large ones a long serial piece: taking
     the least over s of the larger of the two is what makes the bound of a vPP configuration
@@ -219,11 +219,16 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     # stashed activations coming back): either may be the link term
     back = saved * per_in
     out = sum(profile.costs("FWD", u).saved for u in uf) * per_out
+    # a stashed layer's pack also carries what the forward compute does not hide of its
+    # activations leaving (tasks.py: the same per-layer sum over the forward microbatches)
+    bw_out = link_rates(hw, cfg)[2]
+    exposed = np.maximum(sum(profile.costs("FWD", u).saved / bw_out - profile.costs("FWD", u).time for u in uf),
+                         0.0)
     best = np.zeros(len(fits))
     rec = bwd / n
     for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all * per_in))):
         for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
-            st = (lam * no_rec + (1 - lam) * moved) / n
+            st = (lam * no_rec + (1 - lam) * moved + exposed) / n
             # the bound is concave and piecewise linear in mu: its maximum is at a layer's breakpoint
             # (where recompute and stash cost the same) or an end of [0, 1]
             with np.errstate(divide="ignore", invalid="ignore"):
