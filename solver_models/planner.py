@@ -47,7 +47,7 @@ from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
 from .tasks import (MAX_LAYERS_WITH_STASH, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
-                    forward_costs, link_rates)
+                    forward_costs, link_rates, stash_out_exposed)
 from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
 
@@ -221,9 +221,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     out = sum(profile.costs("FWD", u).saved for u in uf) * per_out
     # a stashed layer's pack also carries what the forward compute does not hide of its
     # activations leaving (tasks.py: the same per-layer sum over the forward microbatches)
-    bw_out = link_rates(hw, cfg)[2]
-    exposed = np.maximum(sum(profile.costs("FWD", u).saved / bw_out - profile.costs("FWD", u).time for u in uf),
-                         0.0)
+    exposed = stash_out_exposed(profile, uf, link_rates(hw, cfg)[2])
     best = np.zeros(len(fits))
     rec = bwd / n
     for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all * per_in))):

@@ -215,6 +215,14 @@ def link_rates(hw: Hardware, cfg: Config) -> tuple[int, float, float, float]:
     return copies, hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies, p2p
 
 
+def stash_out_exposed(profile: Profile, uf_list: list[int], bw_out: float) -> np.ndarray:
+    """Per layer, what the forward compute does not hide of its saved activations leaving the GPU
+    over every forward microbatch, at ``bw_out`` bytes/s: what stashing the layer costs its
+    backward pack (``build_tasks``) and the stash bound (planner.config_bound)."""
+    return np.maximum(sum(profile.costs("FWD", u).saved / bw_out - profile.costs("FWD", u).time for u in uf_list),
+                      0.0)
+
+
 def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int], ub_list: list[int],
                   pin_b: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer boundary b (0..R-1), the ``hop_in`` of a task whose input crosses it (the module
@@ -290,6 +298,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
 
     # ---- backward packs (variants) and the criterion pack
     rebatch = cfg.u_fwd != cfg.u_bwd
+    exposed = np.concatenate([[0.0], np.cumsum(stash_out_exposed(profile, uf_list, bw_out))])
 
     def backward(kind, s, e, recompute, gpu_opt):
         w = profile.param_bytes(s, e)
@@ -308,8 +317,6 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
             load = total("BWD", ub_list, step)
             hop_extra = cb_first.pack_saved(s, e) / bw_in
             # the forward packs send them out: what the forward compute does not hide, layer by layer
-            out_s = total("FWD", uf_list, lambda c: c.saved / bw_out - c.time)
-            exposed = np.concatenate([[0.0], np.cumsum(np.maximum(out_s, 0.0))])
             load = load + exposed[e + 1] - exposed[s]
         mem = np.asarray(cb.pack_memory(s, e), np.float64)
         # input: the loss pack's from the last forward pack (re-batched through host when the sizes
