@@ -207,12 +207,16 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         per_layer = np.maximum(first.time - forward_costs(profile, first.u).time, 0.0)
     fwd_first = profile.costs("FWD", uf[0]).pack_time(0, before)
     one = float(per_layer.sum()) + fwd_first
+    ends, few = np.zeros(len(fits)), np.full(len(fits), np.inf)
     if n > 1:
         fwd_hops, back_hops, back_rest = _pipeline_hops(profile, hw, cfg, uf, ub, cap, fits, stash)
         one = np.maximum(one + fwd_hops + back_rest,
                          fwd_first + _criterion_rest(profile, ub, fits, stash) + fwd_hops + back_hops)
+        ends, few = _pipeline_ends(profile, hw, cfg, uf, ub, cap, fits, stash)
     if not stash:
-        return float(np.min(np.maximum.reduce([(float(bwd.sum()) + forward) / n, w_in, one])))
+        base = np.maximum(w_in, one)
+        spans = (float(bwd.sum()) + forward) / n
+        return float(np.min(np.maximum(base, np.maximum(spans, np.minimum(spans + ends / n, few)))))
     # the link: every phase takes at least its own traffic (timing.py), so T >= in_F + in_B (the
     # weights of the forward layers and of every layer, stashed activations coming back) and
     # T >= out_F + in_B (stashed activations leaving in the forward, every layer's weights, the
@@ -222,7 +226,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     # a stashed layer's pack also carries what the forward compute does not hide of its
     # activations leaving (tasks.py: the same per-layer sum over the forward microbatches)
     exposed = stash_out_exposed(profile, uf, link_rates(hw, cfg)[2])
-    best = np.zeros(len(fits))
+    best, best_ends = np.zeros(len(fits)), np.zeros(len(fits))
     rec = bwd / n
     for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all * per_in))):
         for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
@@ -235,7 +239,8 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
             per_layer = np.minimum(mus * rec, mus * st + (1 - mus) * link_s).sum(axis=1)
             total = per_layer[:, None] + mus * forward[None, :] / n + (1 - mus) * link_w[None, :]
             best = np.maximum(best, total.max(axis=0))
-    return float(np.min(np.maximum(best, one)))
+            best_ends = np.maximum(best_ends, (total + mus * ends[None, :] / n).max(axis=0))
+    return float(np.min(np.maximum.reduce([best, one, np.minimum(best_ends, few)])))
 
 
 def _pipeline_hops(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int,
@@ -258,6 +263,75 @@ def _pipeline_hops(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     rest = sum((_backward_time(profile, u, 0, np.arange(R) - 1, stash) for u in ub[1:]), zero)
     back_rest = _least_packing(end_b, zero, hb, rest)
     return fwd[fits] + hc[fits], back[fits], back_rest[fits]
+
+
+def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int,
+                   fits: np.ndarray, stash: bool) -> tuple[np.ndarray, np.ndarray]:
+    """vPP, per criterion start s in ``fits``: (what every GPU waits before its first task and after
+    its last one, summed over the GPUs; a bound for the plans where that sum does not hold).
+
+    In timing.py's recurrence the task at position j runs on GPU j mod n after the task n positions
+    earlier, so GPU g is busy from its first start S_g to its last end, and ``n T >= compute +
+    sum_g S_g + sum_g (T - last end on g)``. GPU g starts after the first microbatch of each task
+    before it, plus the handoffs (``S_g >= S_{g-1} + p_first + hop``); the last n - 1 tasks' last
+    microbatches come after the last task on the other GPUs (``E_j >= E_{j-1} + hop + p_last``),
+    and the last task's gradients leave and step after that (``tail + upd``). Which packs sit at
+    those positions is open, so the least over packings is taken: one layer per pack, each pack
+    starting past the one before (a forward pack at position i starts at layer >= i). Where the
+    first n positions cannot all be forward packs (fewer forward packs cover [0, s - 1]), the
+    criterion pack and backward packs may sit there. The last n - 1 positions are backward packs
+    unless at most n - 2 tasks do the whole backward, on as many GPUs: for those plans the second
+    array, that backward compute per GPU (inf where no packs that fit are so few)."""
+    R, n = profile.num_layers, cfg.ranks
+    _, bw_in, bw_out, _ = link_rates(hw, cfg)
+    hf, _, _ = boundary_hops(profile, hw, cfg, uf, ub)
+    layers = np.arange(R)
+    f1 = profile.costs("FWD", uf[0]).time
+    b1 = _backward_time(profile, ub[0], layers, layers, stash)
+    bl = _backward_time(profile, ub[-1], layers, layers, stash)
+    one_each = np.ones(R)
+
+    # heads: positions 0 .. n - 1, a forward pack at i starting at layer a weighs (n-1-i) p_first
+    # + (n-i) hop (every later GPU waits for it); S_0 >= its hop and its weights, n times
+    w0 = (profile.param_bytes(0, 0) + profile.buffer_bytes(0, 0)) / bw_in
+    run = np.full(R, np.inf)
+    run[0] = (n - 1) * f1[0] + n * max(float(hf[0]), float(w0))
+    heads_f = [float(run[0])]           # heads_f[k]: forward packs at positions 0 .. k
+    for i in range(1, n):
+        prev = np.concatenate([[np.inf], np.minimum.accumulate(run)[:-1]])   # least over starts < a
+        run = prev + (n - 1 - i) * f1 + (n - i) * hf
+        run[R - 1:] = np.inf            # forward packs end before the criterion layer
+        heads_f.append(float(run.min()))
+    # forward packs at positions 0 .. k - 1, the criterion pack at k, backward packs after it
+    crit_first = profile.costs("BWD", ub[0]).pack_time(fits, np.full(len(fits), R - 1))
+    b1_min = float(b1[1:].min()) if R > 1 else 0.0
+    fewest_f = _least_packing(max_pack_end(profile.costs("FWD", cfg.u_fwd), cap), one_each, np.zeros(R),
+                              np.zeros(R))[fits]
+    heads = np.full(len(fits), heads_f[n - 1])
+    for k in range(1, n):
+        after = sum((n - 1 - i) * b1_min for i in range(k + 1, n))
+        alt = heads_f[k - 1] + (n - 1 - k) * crit_first + after
+        heads = np.where(fewest_f <= k, np.minimum(heads, alt), heads)
+
+    # tails: the backward task at position J-1-m (m < n-1) starts at layer a_m, a_0 = 0 < a_1 < ...
+    run = np.full(R, np.inf)
+    run[0] = (n - 1) * bl[0]
+    for m in range(1, n - 1):
+        prev = np.concatenate([[np.inf], np.minimum.accumulate(run)[:-1]])
+        run = prev + (n - 1 - m) * bl
+    w, k_opt = profile.param_bytes(0, 0), profile.optimizer_bytes(0, 0)
+    last = min(w / bw_out + profile.cpu_update_time(0, 0) * hw.cpu_optimizer_scale,
+               (w + k_opt) / bw_out + (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth)
+    tails = float(run.min()) + n * float(last)
+
+    ends = np.where(fits > 0, heads + tails, 0.0)         # s = 0: one task, its serial path bounds it
+    few = np.full(len(fits), np.inf)
+    if n > 2:
+        fewest_b = 1 + _least_packing(max_pack_end(profile.costs("BWD", cfg.u_bwd), cap), one_each, np.zeros(R),
+                                      np.zeros(R))[fits]
+        backward = sum(_backward_time(profile, u, 0, R - 1, stash) for u in ub)
+        few = np.where(fewest_b <= n - 2, backward / (n - 2), np.inf)
+    return ends, few
 
 
 def _least_packing(max_end: np.ndarray, at_start: np.ndarray, at_top: np.ndarray, first: np.ndarray) -> np.ndarray:
