@@ -289,7 +289,6 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     f1 = profile.costs("FWD", uf[0]).time
     b1 = _backward_time(profile, ub[0], layers, layers, stash)
     bl = _backward_time(profile, ub[-1], layers, layers, stash)
-    one_each = np.ones(R)
 
     # heads: positions 0 .. n - 1, a forward pack at i starting at layer a weighs (n-1-i) p_first
     # + (n-i) hop (every later GPU waits for it); S_0 >= its hop and its weights, n times
@@ -305,8 +304,7 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     # forward packs at positions 0 .. k - 1, the criterion pack at k, backward packs after it
     crit_first = profile.costs("BWD", ub[0]).pack_time(fits, np.full(len(fits), R - 1))
     b1_min = float(b1[1:].min()) if R > 1 else 0.0
-    fewest_f = _least_packing(max_pack_end(profile.costs("FWD", cfg.u_fwd), cap), one_each, np.zeros(R),
-                              np.zeros(R))[fits]
+    fewest_f = _fewest_packs(max_pack_end(profile.costs("FWD", cfg.u_fwd), cap))[fits]
     heads = np.full(len(fits), heads_f[n - 1])
     for k in range(1, n):
         after = sum((n - 1 - i) * b1_min for i in range(k + 1, n))
@@ -327,11 +325,22 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     ends = np.where(fits > 0, heads + tails, 0.0)         # s = 0: one task, its serial path bounds it
     few = np.full(len(fits), np.inf)
     if n > 2:
-        fewest_b = 1 + _least_packing(max_pack_end(profile.costs("BWD", cfg.u_bwd), cap), one_each, np.zeros(R),
-                                      np.zeros(R))[fits]
+        fewest_b = 1 + _fewest_packs(max_pack_end(profile.costs("BWD", cfg.u_bwd), cap))[fits]
         backward = sum(_backward_time(profile, u, 0, R - 1, stash) for u in ub)
         few = np.where(fewest_b <= n - 2, backward / (n - 2), np.inf)
     return ends, few
+
+
+def _fewest_packs(max_end: np.ndarray) -> np.ndarray:
+    """Per boundary b, at most the fewest packs that fit (``c - 1 <= max_end[a]``) covering layers
+    [0, b - 1]: greedy, each pack reaching as far as any pack starting at or before its start could
+    (a relaxation where a later start may reach less far), so never more than the fewest."""
+    reach = np.maximum.accumulate(np.maximum(max_end, np.arange(len(max_end)) - 1)) + 1
+    ends = [0]
+    while ends[-1] < len(max_end) and reach[ends[-1]] > ends[-1]:
+        ends.append(int(reach[ends[-1]]))
+    b = np.arange(len(max_end) + 1)
+    return np.where(b <= ends[-1], np.searchsorted(np.asarray(ends), b), 10**9)
 
 
 def _least_packing(max_end: np.ndarray, at_start: np.ndarray, at_top: np.ndarray, first: np.ndarray) -> np.ndarray:
