@@ -171,6 +171,8 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
       (1 - lam) * second, its pack carries what the forward compute does not hide of their
       way out (tasks.py), and they cross the link: with mu and lam fixed the bound is a sum over
       layers of the cheaper choice, and the best (mu, lam) of a small grid is taken.
+    * In vPP the compute per GPU rises by what the GPUs wait at the pipeline's two ends
+      (``_pipeline_ends``), except for the plans whose backward runs in at most N - 2 tasks.
 
     Small criterion packs leave much forward compute; large ones a long serial piece: taking
     the least over s of the larger of the two is what makes the bound of a vPP configuration
