@@ -299,8 +299,7 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     run[0] = (n - 1) * f1[0] + n * max(float(hf[0]), float(w0))
     heads_f = [float(run[0])]           # heads_f[k]: forward packs at positions 0 .. k
     for i in range(1, n):
-        prev = np.concatenate([[np.inf], np.minimum.accumulate(run)[:-1]])   # least over starts < a
-        run = prev + (n - 1 - i) * f1 + (n - i) * hf
+        run = _least_before(run) + (n - 1 - i) * f1 + (n - i) * hf
         run[R - 1:] = np.inf            # forward packs end before the criterion layer
         heads_f.append(float(run.min()))
     # forward packs at positions 0 .. k - 1, the criterion pack at k, backward packs after it
@@ -317,8 +316,7 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     run = np.full(R, np.inf)
     run[0] = (n - 1) * bl[0]
     for m in range(1, n - 1):
-        prev = np.concatenate([[np.inf], np.minimum.accumulate(run)[:-1]])
-        run = prev + (n - 1 - m) * bl
+        run = _least_before(run) + (n - 1 - m) * bl
     w, k_opt = profile.param_bytes(0, 0), profile.optimizer_bytes(0, 0)
     last = min(w / bw_out + profile.cpu_update_time(0, 0) * hw.cpu_optimizer_scale,
                (w + k_opt) / bw_out + (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth)
@@ -331,6 +329,12 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
         backward = sum(_backward_time(profile, u, 0, R - 1, stash) for u in ub)
         few = np.where(fewest_b <= n - 2, backward / (n - 2), np.inf)
     return ends, few
+
+
+def _least_before(run: np.ndarray) -> np.ndarray:
+    """Per layer a, the least of ``run`` over the layers before a (inf at 0): the cheapest way to the
+    previous position when each position's pack starts past the one before."""
+    return np.concatenate([[np.inf], np.minimum.accumulate(run)[:-1]])
 
 
 def _fewest_packs(max_end: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from harmony_opt import InfeasibleError, get_hardware, load_profile
 from harmony_opt.baselines import plan_harmony
+from harmony_opt.plan import split_microbatches
 from harmony_opt.simulator import simulate
 from solver_models import chain, dp, pipeline, search
 from solver_models.planner import PlannerOptions, config_bound, plan
@@ -216,8 +217,8 @@ def test_vpp_bound_counts_the_waits_at_the_pipeline_ends():
     R = prof.num_layers
     # compute per GPU of the plans whose criterion pack [s, R-1] fits, the least over s
     fits = [s for s in range(R) if prof.costs("BWD", 5).pack_memory(s, R - 1) <= cap]
-    backward = sum(float(prof.costs("BWD", u).time.sum()) for u in (5,) * 12 + (4,))
-    per_gpu = min(backward + sum(prof.costs("FWD", u).pack_time(0, s - 1) for u in (13,) * 4 + (12,))
+    backward = sum(float(prof.costs("BWD", u).time.sum()) for u in split_microbatches(64, 5))
+    per_gpu = min(backward + sum(prof.costs("FWD", u).pack_time(0, s - 1) for u in split_microbatches(64, 13))
                   for s in fits) / 4
     bound = config_bound(prof, hw, 64, cfg, cap, stash=False)
     assert bound > 1.01 * per_gpu
