@@ -9,11 +9,12 @@ from harmony_opt.profile import Profile
 
 
 def synthetic_profile(R: int = 8, sizes=(1, 2, 4, 8), seed: int = 0, mem_scale: float = 1.0,
-                      name: str = "synthetic") -> Profile:
-    """A random but physically sensible profile: times and memory grow with the microbatch."""
+                      name: str = "synthetic", act_scale: int = 1) -> Profile:
+    """A random but physically sensible profile: times and memory grow with the microbatch
+    (``act_scale``: activations that many times larger, for transfers that outlast the compute)."""
     rng = np.random.default_rng(seed)
     w = rng.integers(1, 50, R) * 2**20
-    x = rng.integers(1, 8, R) * 2**18
+    x = rng.integers(1, 8, R) * 2**18 * act_scale
     x[0] = 2**12
     t = rng.uniform(1e-3, 5e-3, R)
     layers = pd.DataFrame({"layer": np.arange(R), "param_bytes": w, "buffer_bytes": np.zeros(R, int),

@@ -49,6 +49,56 @@ def test_cp_sat_chain_model_equals_the_dp(R, seed, uf, ub, tight, gpus):
     assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
 
 
+def _every_chain(tasks):
+    """Every chain of a configuration's candidate tasks: forward packs from layer 0 to a criterion
+    pack's start, the criterion pack, backward packs from there down to layer 0."""
+    t = tasks.table
+    starting = {kind: {} for kind in (0, 2)}
+    for k in range(len(t)):
+        if t.kind[k] != 1:
+            at = int(t.start[k]) if t.kind[k] == 0 else int(t.end[k]) + 1
+            starting[int(t.kind[k])].setdefault(at, []).append(k)
+
+    def forward(a, s):
+        if a == s:
+            yield []
+        for k in starting[0].get(a, []):
+            if t.end[k] < s:
+                yield from ([k] + rest for rest in forward(int(t.end[k]) + 1, s))
+
+    def backward(e):
+        if e == 0:
+            yield []
+        for k in starting[2].get(e, []):
+            yield from ([k] + rest for rest in backward(int(t.start[k])))
+    for c in (k for k in range(len(t)) if t.kind[k] == 1):
+        for fwd in forward(0, int(t.start[c])):
+            for bwd in backward(int(t.start[c])):
+                yield fwd + [c] + bwd
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(3, 6), st.integers(0, 1000), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]),
+       st.floats(0.15, 1.0), st.sampled_from([1, 2, 4]), st.sampled_from([1, 30, 100]))
+@example(R=6, seed=1, uf=8, ub=8, tight=1.0, gpus=4, act_scale=100)
+def test_cp_sat_chain_model_is_the_best_of_every_chain(R, seed, uf, ub, tight, gpus, act_scale):
+    """Against every chain enumerated, also where large activations make the shared link's phase
+    floors bind (which the DP leaves out): CP-SAT's optimum is the best chain's value."""
+    prof = synthetic_profile(R=R, seed=seed, act_scale=act_scale)
+    hw = get_hardware("1080ti-x4").with_gpus(gpus)
+    full = int(prof.costs("BWD", ub).pack_memory(0, R - 1))
+    single = max(int(prof.costs(ph, u).memory.max()) for ph, u in (("BWD", ub), ("FWD", uf)))
+    cfg = Config("vDP" if gpus > 1 else "vPP", gpus, uf, ub)
+    tasks = build_tasks(prof, hw, 16, cfg, max(single, int(full * tight)), stash=False)
+    best = min((evaluate(tasks, seq) for seq in _every_chain(tasks)), default=float("inf"))
+    res = chain.solve(tasks, time_limit=30, rel_gap=0.0)
+    if best == float("inf"):
+        assert res.objective is None
+        return
+    assert res.status == "OPTIMAL" and res.objective == pytest.approx(best, abs=1e-9)
+    assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(4, 12), st.integers(0, 1000), st.sampled_from([2, 4]), st.floats(0.3, 1.0), st.sampled_from([2, 3]),
        st.booleans())
