@@ -47,7 +47,7 @@ from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
 from .tasks import (MAX_LAYERS_WITH_STASH, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
-                    forward_costs, link_rates, stash_out_exposed)
+                    forward_costs, link_capacity, link_rates, stash_out_exposed)
 from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
 
@@ -187,9 +187,9 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     uf, ub = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
     copies = cfg.gpus if cfg.mode == "vDP" else 1
     wait = copies if hw.shared_host_link else 1        # a transfer's time in vDP (tasks.py)
-    # seconds per byte over the shared link, all copies' traffic counted (tasks.Tasks.ticks)
-    per_in = copies / ((hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else cfg.gpus))
-    per_out = copies / ((hw.link_bandwidth or hw.d2h_bandwidth) * (1 if hw.shared_host_link else cfg.gpus))
+    # seconds per byte over the host link, all copies' traffic counted (tasks.Tasks.ticks)
+    link_in, link_out = link_capacity(hw, cfg.gpus)
+    per_in, per_out = copies / link_in, copies / link_out
     bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
     for u in ub:
         c = profile.costs("BWD", u)

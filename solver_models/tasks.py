@@ -215,6 +215,13 @@ def link_rates(hw: Hardware, cfg: Config) -> tuple[int, float, float, float]:
     return copies, hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies, p2p
 
 
+def link_capacity(hw: Hardware, gpus: int) -> tuple[float, float]:
+    """Host->GPU and GPU->host bytes/s through the host link, all ``gpus`` together: one shared
+    link, or one link per GPU (``Tasks.link_bw``; the planner's bound counts the same)."""
+    links = 1 if hw.shared_host_link else gpus
+    return (hw.link_bandwidth or hw.h2d_bandwidth) * links, (hw.link_bandwidth or hw.d2h_bandwidth) * links
+
+
 def stash_out_exposed(profile: Profile, uf_list: list[int], bw_out: float) -> np.ndarray:
     """Per layer, what the forward compute does not hide of its saved activations leaving the GPU
     over every forward microbatch, at ``bw_out`` bytes/s: what stashing the layer costs its
@@ -372,10 +379,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
                 parts.append(backward(kind, s, e, recompute, on_gpu))
     table = TaskTable.concat(parts)
     saved = np.asarray(cf.saved, np.float64) if stash_ok else None
-    return Tasks(cfg, table, R, int(cap),
-                 ((hw.link_bandwidth or hw.h2d_bandwidth) * (1 if hw.shared_host_link else n),
-                  (hw.link_bandwidth or hw.d2h_bandwidth) * (1 if hw.shared_host_link else n)),
-                 copies if cfg.mode == "vDP" else 1, saved, cuts)
+    return Tasks(cfg, table, R, int(cap), link_capacity(hw, n), copies if cfg.mode == "vDP" else 1, saved, cuts)
 
 
 def _table(kind, s, e, recompute, gpu_opt, **cols) -> TaskTable:

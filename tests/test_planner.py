@@ -49,34 +49,6 @@ def test_cp_sat_chain_model_equals_the_dp(R, seed, uf, ub, tight, gpus):
     assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
 
 
-def _every_chain(tasks):
-    """Every chain of a configuration's candidate tasks: forward packs from layer 0 to a criterion
-    pack's start, the criterion pack, backward packs from there down to layer 0."""
-    t = tasks.table
-    starting = {kind: {} for kind in (0, 2)}
-    for k in range(len(t)):
-        if t.kind[k] != 1:
-            at = int(t.start[k]) if t.kind[k] == 0 else int(t.end[k]) + 1
-            starting[int(t.kind[k])].setdefault(at, []).append(k)
-
-    def forward(a, s):
-        if a == s:
-            yield []
-        for k in starting[0].get(a, []):
-            if t.end[k] < s:
-                yield from ([k] + rest for rest in forward(int(t.end[k]) + 1, s))
-
-    def backward(e):
-        if e == 0:
-            yield []
-        for k in starting[2].get(e, []):
-            yield from ([k] + rest for rest in backward(int(t.start[k])))
-    for c in (k for k in range(len(t)) if t.kind[k] == 1):
-        for fwd in forward(0, int(t.start[c])):
-            for bwd in backward(int(t.start[c])):
-                yield fwd + [c] + bwd
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(3, 6), st.integers(0, 1000), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]),
        st.floats(0.15, 1.0), st.sampled_from([1, 2, 4]), st.sampled_from([1, 30, 100]))
@@ -90,7 +62,7 @@ def test_cp_sat_chain_model_is_the_best_of_every_chain(R, seed, uf, ub, tight, g
     single = max(int(prof.costs(ph, u).memory.max()) for ph, u in (("BWD", ub), ("FWD", uf)))
     cfg = Config("vDP" if gpus > 1 else "vPP", gpus, uf, ub)
     tasks = build_tasks(prof, hw, 16, cfg, max(single, int(full * tight)), stash=False)
-    best = min((evaluate(tasks, seq) for seq in _every_chain(tasks)), default=float("inf"))
+    best = min((evaluate(tasks, seq) for seq in _every_plan(tasks)), default=float("inf"))
     res = chain.solve(tasks, time_limit=30, rel_gap=0.0)
     if best == float("inf"):
         assert res.objective is None
@@ -216,8 +188,9 @@ def test_stash_bound_counts_the_forward_time_stashing_costs():
     assert all(bound <= evaluate(tasks, seq) + 1e-9 for seq in plans)
 
 
-def _every_vpp_plan(tasks):
-    """Every plan of a small vPP configuration, as task sequences: each criterion pack that fits,
+def _every_plan(tasks):
+    """Every plan of a small configuration (either mode), as task sequences in chain order: each
+    criterion pack that fits,
     every packing of the layers before it into forward packs and into backward packs, every variant
     of every backward pack."""
     import itertools
@@ -252,7 +225,7 @@ def test_vpp_bound_is_below_the_best_of_every_plan(R, seed, uf, ub, tight, gpus,
     which plans with few backward packs do not have) is caught on the plans no search would find."""
     prof, hw, cap, cfg = _instance(R, seed, uf, ub, tight, gpus, mode="vPP")
     tasks = build_tasks(prof, hw, batch, cfg, cap, stash=stash)
-    best = min((evaluate(tasks, seq) for seq in _every_vpp_plan(tasks)), default=float("inf"))
+    best = min((evaluate(tasks, seq) for seq in _every_plan(tasks)), default=float("inf"))
     assert config_bound(prof, hw, batch, cfg, cap, stash) <= best + 1e-9
 
 
