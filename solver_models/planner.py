@@ -27,6 +27,7 @@ over all plans (harmony_opt.bound) and the speed-up over Harmony's search.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import logging
@@ -85,6 +86,7 @@ class Budget:
     measured on a 2-core machine (benchmarks/results/planner.md); they track wall time within a
     small factor."""
 
+    PER_BOUND = 1e-3        # a configuration's cheap bound (config_bound)
     PER_CONFIG = 1.5e-3     # building a configuration's candidate tasks: fixed part ...
     PER_ROW = 5e-7          # ... and per candidate task
     PER_NODE = 1.5e-5       # the DP, per layer boundary ...
@@ -161,7 +163,10 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
       and the last task runs its other microbatches after it; and the first microbatch's trip
       through the forward layers before s, every microbatch of the criterion pack, the last
       microbatch's trip back (``_criterion_rest``), handed on the same way: the criterion pack is
-      one serial piece of work.
+      one serial piece of work; and the forward compute per GPU, then the last microbatch's trip
+      back from the criterion pack on (``_after_forward``). Where stash may replace a layer's
+      recompute, these paths count the lesser of its recompute and a mix of what a stashed
+      layer costs (``_backward_timer``), with two mixes tried.
     * ``T >= C / ranks`` (compute per GPU) and ``T >= L`` (bytes into the GPUs over the shared
       host link), so ``T >= mu * C / ranks + (1 - mu) * L`` for every mu in [0, 1]. C counts
       every layer's backward on every microbatch and the forward of the layers before s; L the
@@ -191,31 +196,39 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     link_in, link_out = link_capacity(hw, cfg.gpus)
     per_in, per_out = copies / link_in, copies / link_out
     bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
-    for u in ub:
+    for u, k in collections.Counter(ub).items():        # at most two sizes (split_microbatches)
         c = profile.costs("BWD", u)
-        bwd += c.time
-        no_rec += np.maximum(c.time - forward_costs(profile, u).time, 0.0)
-        moved += c.saved * wait / hw.h2d_bandwidth
-        saved += c.saved
+        bwd += k * c.time
+        no_rec += k * np.maximum(c.time - forward_costs(profile, u).time, 0.0)
+        moved += k * c.saved * wait / hw.h2d_bandwidth
+        saved += k * c.saved
     # per criterion start s in ``fits``: the forward compute and the weights of the layers before it
-    forward = sum(profile.costs("FWD", u).pack_time(0, before) for u in uf)
+    forward = sum(k * profile.costs("FWD", u).pack_time(0, before) for u, k in collections.Counter(uf).items())
     w_all = profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1)
     w_in = (w_all + profile.param_bytes(0, before) + profile.buffer_bytes(0, before)) * per_in
     n = cfg.ranks
-    # every microbatch passes every task in turn: the first one alone takes its forward and backward
-    first = profile.costs("BWD", ub[0])
-    per_layer = first.time                  # a stashed layer may skip its recompute
-    if stash:
-        per_layer = np.maximum(first.time - forward_costs(profile, first.u).time, 0.0)
     fwd_first = profile.costs("FWD", uf[0]).pack_time(0, before)
-    one = float(per_layer.sum()) + fwd_first
-    ends, few = np.zeros(len(fits)), np.full(len(fits), np.inf)
+    # stashed layers in the serial paths: at least their backward without the forward (lam = 1),
+    # or at least their saved activations coming in (lam = 0), whichever bounds higher
+    bw_in = link_rates(hw, cfg)[1]
+    timers = [_backward_timer(profile, lam, bw_in) for lam in ((1.0, 0.0) if stash else (None,))]
     if n > 1:
-        fwd_hops, back_hops, back_rest = _pipeline_hops(profile, hw, cfg, uf, ub, cap, fits, stash)
-        one = np.maximum(one + fwd_hops + back_rest,
-                         fwd_first + _criterion_rest(profile, ub, fits, stash) + fwd_hops + back_hops)
-        ends, few = _pipeline_ends(profile, hw, cfg, uf, ub, cap, fits, stash)
+        fwd_hops, back_hops, back_rests = _pipeline_hops(profile, hw, cfg, uf, ub, cap, fits, timers)
+        after = _after_forward(profile, hw, cfg, uf, ub, fits, forward, back_hops)
+
+    def serial(k):
+        """(the serial paths, the pipeline ends, the few-backward-packs bound) with ``timers[k]``."""
+        bt = timers[k]
+        # every microbatch passes every task in turn: the first one alone takes its forward and backward
+        one = bt(ub[0], 0, R - 1) + fwd_first
+        if n == 1:
+            return one, np.zeros(len(fits)), np.full(len(fits), np.inf)
+        one = np.maximum.reduce([one + fwd_hops + back_rests[k],
+                                 fwd_first + _criterion_rest(profile, ub, fits, bt) + fwd_hops + back_hops,
+                                 after + bt(ub[-1], 0, fits - 1)])
+        return (one, *_pipeline_ends(profile, hw, cfg, uf, ub, cap, fits, bt))
     if not stash:
+        one, ends, few = serial(0)
         base = np.maximum(w_in, one)
         spans = (float(bwd.sum()) + forward) / n
         return float(np.min(np.maximum(base, np.maximum(spans, np.minimum(spans + ends / n, few)))))
@@ -228,7 +241,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     # a stashed layer's pack also carries what the forward compute does not hide of its
     # activations leaving (tasks.py: the same per-layer sum over the forward microbatches)
     exposed = stash_out_exposed(profile, uf, link_rates(hw, cfg)[2])
-    best, best_ends = np.zeros(len(fits)), np.zeros(len(fits))
+    best, totals = np.zeros(len(fits)), []
     rec = bwd / n
     for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all * per_in))):
         for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
@@ -241,20 +254,27 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
             per_layer = np.minimum(mus * rec, mus * st + (1 - mus) * link_s).sum(axis=1)
             total = per_layer[:, None] + mus * forward[None, :] / n + (1 - mus) * link_w[None, :]
             best = np.maximum(best, total.max(axis=0))
-            best_ends = np.maximum(best_ends, (total + mus * ends[None, :] / n).max(axis=0))
-    return float(np.min(np.maximum.reduce([best, one, np.minimum(best_ends, few)])))
+            totals.append((total, mus))
+    bound = 0.0
+    for k in range(len(timers)):
+        one, ends, few = serial(k)
+        best_ends = np.max([(total + mus * ends[None, :] / n).max(axis=0) for total, mus in totals], axis=0)
+        bound = max(bound, float(np.min(np.maximum.reduce([best, np.broadcast_to(one, best.shape),
+                                                            np.minimum(best_ends, few)]))))
+    return bound
 
 
 def _pipeline_hops(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int,
-                   fits: np.ndarray, stash: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   fits: np.ndarray, timers: list) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """vPP, per criterion start s in ``fits``, the least over every packing of [0, s - 1] into packs
     that fit of: the handoffs into the forward packs and into the criterion pack; the handoffs into
     the backward packs; the same plus the other microbatches of the last backward pack (the one
-    holding layer 0). In timing.py's recurrence a task's first microbatch starts after the previous
-    task's, plus the handoff into it (``S_j >= S_{j-1} + p_first_{j-1} + hop_j``), its last one
-    after the previous task's last, plus the handoff (``E_j``), and the last task ends after all its
-    microbatches; so these add to the first and the last microbatch's trips. Shortest paths over
-    the layer boundaries, every boundary a candidate (the planner's candidates are a subset)."""
+    holding layer 0), timed by each of ``timers`` (``_backward_timer``). In timing.py's recurrence a
+    task's first microbatch starts after the previous task's, plus the handoff into it (``S_j >=
+    S_{j-1} + p_first_{j-1} + hop_j``), its last one after the previous task's last, plus the
+    handoff (``E_j``), and the last task ends after all its microbatches; so these add to the first
+    and the last microbatch's trips. Shortest paths over the layer boundaries, every boundary a
+    candidate (the planner's candidates are a subset)."""
     hf, hc, hb = boundary_hops(profile, hw, cfg, uf, ub)
     R = profile.num_layers
     zero = np.zeros(R)
@@ -262,13 +282,30 @@ def _pipeline_hops(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
     back = _least_packing(end_b, zero, hb, zero)
     # the last backward pack [0, b - 1]: its microbatches after the first
-    rest = sum((_backward_time(profile, u, 0, np.arange(R) - 1, stash) for u in ub[1:]), zero)
-    back_rest = _least_packing(end_b, zero, hb, rest)
-    return fwd[fits] + hc[fits], back[fits], back_rest[fits]
+    sizes = collections.Counter(ub[1:]).items()
+    rests = [sum((k * bt(u, 0, np.arange(R) - 1) for u, k in sizes), zero) for bt in timers]
+    return fwd[fits] + hc[fits], back[fits], [_least_packing(end_b, zero, hb, rest)[fits] for rest in rests]
+
+
+def _after_forward(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], fits: np.ndarray,
+                   forward: np.ndarray, back_hops: np.ndarray) -> np.ndarray:
+    """vPP, per criterion start s in ``fits``: the forward compute per GPU, then the last
+    microbatch's trip back but its backward compute through the layers before s (which the caller
+    adds, as the stash variants may shorten it). In timing.py's recurrence every forward task runs
+    on its GPU between 0 and its end, the tasks of one GPU one after another, and the ends rise
+    along the chain, so the last forward task ends no earlier than the forward compute / N; then
+    the E chain: the criterion pack's last microbatch and every backward pack's, each after its
+    handoff, and the last pack's gradients leave and step (as in ``_pipeline_ends``). ``forward``:
+    the forward compute of the layers before s; ``back_hops`` from ``_pipeline_hops``."""
+    R, n = profile.num_layers, cfg.ranks
+    _, _, bw_out, _ = link_rates(hw, cfg)
+    _, hc, _ = boundary_hops(profile, hw, cfg, uf, ub)
+    crit_last = profile.costs("BWD", ub[-1]).pack_time(fits, np.full(len(fits), R - 1))
+    return forward / n + hc[fits] + crit_last + back_hops + _last_step(profile, hw, bw_out)
 
 
 def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int,
-                   fits: np.ndarray, stash: bool) -> tuple[np.ndarray, np.ndarray]:
+                   fits: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
     """vPP, per criterion start s in ``fits``: (what every GPU waits before its first task and after
     its last one, summed over the GPUs; a bound for the plans where that sum does not hold).
 
@@ -289,8 +326,8 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     hf, _, _ = boundary_hops(profile, hw, cfg, uf, ub)
     layers = np.arange(R)
     f1 = profile.costs("FWD", uf[0]).time
-    b1 = _backward_time(profile, ub[0], layers, layers, stash)
-    bl = _backward_time(profile, ub[-1], layers, layers, stash)
+    b1 = bt(ub[0], layers, layers)
+    bl = bt(ub[-1], layers, layers)
 
     # heads: positions 0 .. n - 1, a forward pack at i starting at layer a weighs (n-1-i) p_first
     # + (n-i) hop (every later GPU waits for it); S_0 >= its hop and its weights, n times
@@ -317,18 +354,23 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     run[0] = (n - 1) * bl[0]
     for m in range(1, n - 1):
         run = _least_before(run) + (n - 1 - m) * bl
-    w, k_opt = profile.param_bytes(0, 0), profile.optimizer_bytes(0, 0)
-    last = min(w / bw_out + profile.cpu_update_time(0, 0) * hw.cpu_optimizer_scale,
-               (w + k_opt) / bw_out + (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth)
-    tails = float(run.min()) + n * float(last)
+    tails = float(run.min()) + n * _last_step(profile, hw, bw_out)
 
     ends = np.where(fits > 0, heads + tails, 0.0)         # s = 0: one task, its serial path bounds it
     few = np.full(len(fits), np.inf)
     if n > 2:
         fewest_b = 1 + _fewest_packs(max_pack_end(profile.costs("BWD", cfg.u_bwd), cap))[fits]
-        backward = sum(_backward_time(profile, u, 0, R - 1, stash) for u in ub)
+        backward = sum(bt(u, 0, R - 1) for u in ub)
         few = np.where(fewest_b <= n - 2, backward / (n - 2), np.inf)
     return ends, few
+
+
+def _last_step(profile: Profile, hw: Hardware, bw_out: float) -> float:
+    """At least what follows the last backward task's compute: layer 0's gradients leave and step
+    (on the CPU, or its state too leaves after a GPU step, whichever is less)."""
+    w, k_opt = profile.param_bytes(0, 0), profile.optimizer_bytes(0, 0)
+    return float(min(w / bw_out + profile.cpu_update_time(0, 0) * hw.cpu_optimizer_scale,
+                     (w + k_opt) / bw_out + (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth))
 
 
 def _least_before(run: np.ndarray) -> np.ndarray:
@@ -371,23 +413,36 @@ def _least_packing(max_end: np.ndarray, at_start: np.ndarray, at_top: np.ndarray
     return np.asarray(least)
 
 
-def _criterion_rest(profile: Profile, ub: list[int], fits: np.ndarray, stash: bool) -> np.ndarray:
+def _criterion_rest(profile: Profile, ub: list[int], fits: np.ndarray, bt) -> np.ndarray:
     """vPP, per criterion start s in ``fits``: after the first microbatch's trip through the
     forward layers before s, every microbatch of the criterion pack [s, R-1], then the last
     microbatch's trip back through the backward layers (in timing.py's recurrence: the S chain up
     to the criterion task, its load, the E chain after it). A pack's compute is the sum of its
-    layers', so this holds for every packing of the other layers (``_backward_time``: where stash may
-    replace a recompute)."""
+    layers', so this holds for every packing of the other layers (``bt``: ``_backward_timer``)."""
     R = profile.num_layers
     crit = sum(profile.costs("BWD", u).pack_time(fits, np.full(len(fits), R - 1)) for u in ub)
-    return crit + _backward_time(profile, ub[-1], 0, fits - 1, stash)
+    return crit + bt(ub[-1], 0, fits - 1)
 
 
-def _backward_time(profile: Profile, u: int, a, b, stash: bool):
-    """Backward compute of one microbatch of ``u`` samples over packs [a, b] (0 where empty); where
-    stash may replace the recompute, at least the backward minus its forward (tasks.py)."""
-    t = profile.costs("BWD", u).pack_time(a, b)
-    return np.maximum(t - forward_costs(profile, u).pack_time(a, b), 0.0) if stash else t
+def _backward_timer(profile: Profile, lam: float | None, bw_in: float):
+    """``time(u, a, b)``: at least the backward compute of one microbatch of ``u`` samples over packs
+    [a, b] (0 where empty), whatever the pack's option. Where stash may replace the recompute
+    (``lam`` not None), a stashed pack's microbatch takes max(backward - forward, saved / link)
+    (tasks.py) >= lam * first + (1 - lam) * second, a sum over its layers: each layer counts the
+    lesser of that and its recompute. Every lam in [0, 1] gives a valid bound; 1 leaves out the
+    link, 0 the compute saved."""
+    if lam is None:
+        return lambda u, a, b: profile.costs("BWD", u).pack_time(a, b)
+    sums = {}
+
+    def time(u, a, b):
+        if u not in sums:
+            c = profile.costs("BWD", u)
+            per = np.minimum(c.time, lam * (c.time - forward_costs(profile, u).time) + (1 - lam) * c.saved / bw_in)
+            sums[u] = np.concatenate([[0.0], np.cumsum(per)])
+        a, b = np.asarray(a), np.asarray(b)
+        return np.where(b >= a, sums[u][b + 1] - sums[u][a], 0.0)
+    return time
 
 
 @dataclasses.dataclass
@@ -797,6 +852,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     # 1. configurations in the order of their cheap bound, the hint's first (its value prunes early)
     configs = configurations(profile, hw, batch, opts)
     bounds = {c: config_bound(profile, hw, batch, c, S.cap, S.stash) for c in configs}
+    S.budget.spend(Budget.PER_BOUND * len(configs))
     configs = sorted((c for c in configs if np.isfinite(bounds[c])), key=lambda c: (bounds[c], str(c)))
     if incumbent is not None:
         hint_cfg = Config.of(incumbent)

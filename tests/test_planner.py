@@ -16,8 +16,8 @@ from solver_models.timing import evaluate, packs_of, phase_parts, sequence_of
 from conftest import synthetic_profile
 
 
-def _instance(R, seed, uf, ub, tight, gpus=1, mode=None):
-    prof = synthetic_profile(R=R, seed=seed)
+def _instance(R, seed, uf, ub, tight, gpus=1, mode=None, act_scale=1):
+    prof = synthetic_profile(R=R, seed=seed, act_scale=act_scale)
     hw = get_hardware("1080ti-x4").with_gpus(gpus)
     full = int(prof.costs("BWD", ub).pack_memory(0, R - 1))
     single = max(int(prof.costs(ph, u).memory.max()) for ph, u in (("BWD", ub), ("FWD", uf)))
@@ -216,14 +216,22 @@ def _every_plan(tasks):
                         yield [rows[p][0] for p in fwd] + [crit, *variants]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(3, 5), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
-       st.floats(0.2, 1.0), st.sampled_from([2, 3, 4]), st.booleans(), st.sampled_from([4, 8, 16]))
-def test_vpp_bound_is_below_the_best_of_every_plan(R, seed, uf, ub, tight, gpus, stash, batch):
-    """The vPP bound against the model's optimum by enumeration (every packing, every variant), so
+       st.floats(0.2, 1.0), st.sampled_from([(2, "vPP"), (3, "vPP"), (4, "vPP"), (2, "vDP")]), st.booleans(),
+       st.sampled_from([4, 8, 16]), st.sampled_from([1, 100]))
+# saved activations that take longer to come in than the layer's recompute: a bound counting them
+# for every layer, not the lesser of the two, is above the best plan here
+@example(R=5, seed=133, uf=1, ub=4, tight=0.9029743185670773, gm=(2, "vPP"), stash=True, batch=4, act_scale=100)
+@example(R=5, seed=994, uf=4, ub=4, tight=0.65757458206291, gm=(2, "vDP"), stash=True, batch=8, act_scale=100)
+def test_bound_is_below_the_best_of_every_plan(R, seed, uf, ub, tight, gm, stash, batch, act_scale):
+    """The bound against the model's optimum by enumeration (every packing, every variant), so
     that a term the bound adds for some plans but not others (the waits at the pipeline's ends,
-    which plans with few backward packs do not have) is caught on the plans no search would find."""
-    prof, hw, cap, cfg = _instance(R, seed, uf, ub, tight, gpus, mode="vPP")
+    which plans with few backward packs do not have) is caught on the plans no search would find;
+    with activations 100 times larger too, where a stashed layer's saved activations take longer
+    to come in than its recompute."""
+    gpus, mode = gm
+    prof, hw, cap, cfg = _instance(R, seed, uf, ub, tight, gpus, mode=mode, act_scale=act_scale)
     tasks = build_tasks(prof, hw, batch, cfg, cap, stash=stash)
     best = min((evaluate(tasks, seq) for seq in _every_plan(tasks)), default=float("inf"))
     assert config_bound(prof, hw, batch, cfg, cap, stash) <= best + 1e-9
@@ -248,6 +256,22 @@ def test_vpp_bound_counts_the_waits_at_the_pipeline_ends():
     tasks = build_tasks(prof, hw, 64, cfg, cap, stash=False)
     starts = [seq for _, seq in search.starts(tasks, prof, tries=3)[0]]
     assert all(bound <= evaluate(tasks, seq) + 1e-9 for seq in starts)
+
+
+@pytest.mark.parametrize("uf, stash, within", [(1, False, 0.97), (2, True, 0.85)])
+def test_vpp_bound_of_one_backward_microbatch_counts_the_forward_per_gpu_then_the_backward(uf, stash, within):
+    """bert_large, D=64, vPP on 2 GPUs, the backward on one microbatch of 64: it cannot overlap the
+    forward of other microbatches, so the iteration takes at least the forward compute per GPU and
+    then the whole serial backward. Each bound was below 80 % of the plan the search finds before
+    it counted that (and, with stash variants, the saved activations coming back in over the link
+    that a stashed layer waits for instead of its recompute: 58 %); it is now within a few %."""
+    prof, hw, cap = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
+    cfg = Config("vPP", 2, uf, 64)
+    bound = config_bound(prof, hw, 64, cfg, cap, stash=stash)
+    tasks = build_tasks(prof, hw, 64, cfg, cap, stash=stash)
+    starts, _ = search.starts(tasks, prof)
+    value = search.improve(tasks, starts[0][1], 600, seed=0)[0]
+    assert within * value <= bound <= value + 1e-9
 
 
 def _stashed(tasks, seq):
