@@ -86,7 +86,7 @@ class Budget:
     measured on a 2-core machine (benchmarks/results/planner.md); they track wall time within a
     small factor."""
 
-    PER_BOUND = 1e-3        # a configuration's cheap bound (config_bound)
+    PER_BOUND = 1.2e-3      # a configuration's cheap bound (config_bound)
     PER_CONFIG = 1.5e-3     # building a configuration's candidate tasks: fixed part ...
     PER_ROW = 5e-7          # ... and per candidate task
     PER_NODE = 1.5e-5       # the DP, per layer boundary ...
@@ -164,9 +164,10 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
       through the forward layers before s, every microbatch of the criterion pack, the last
       microbatch's trip back (``_criterion_rest``), handed on the same way: the criterion pack is
       one serial piece of work; and the forward compute per GPU, then the last microbatch's trip
-      back from the criterion pack on (``_after_forward``). Where stash may replace a layer's
-      recompute, these paths count the lesser of its recompute and a mix of what a stashed
-      layer costs (``_backward_timer``), with two mixes tried.
+      back from the criterion pack on (``_after_forward``); and the first microbatch's trip to the
+      criterion pack, then the work from its start on (``_from_criterion``). Where stash may
+      replace a layer's recompute, these paths count the lesser of its recompute and a mix of
+      what a stashed layer costs (``_backward_timer``), with two mixes tried.
     * ``T >= C / ranks`` (compute per GPU) and ``T >= L`` (bytes into the GPUs over the shared
       host link), so ``T >= mu * C / ranks + (1 - mu) * L`` for every mu in [0, 1]. C counts
       every layer's backward on every microbatch and the forward of the layers before s; L the
@@ -207,6 +208,9 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     w_all = profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1)
     w_in = (w_all + profile.param_bytes(0, before) + profile.buffer_bytes(0, before)) * per_in
     n = cfg.ranks
+    # a stashed layer's pack also carries what the forward compute does not hide of its
+    # activations leaving (tasks.py: the same per-layer sum over the forward microbatches)
+    exposed = stash_out_exposed(profile, uf, link_rates(hw, cfg)[2])
     fwd_first = profile.costs("FWD", uf[0]).pack_time(0, before)
     # stashed layers in the serial paths: at least their backward without the forward (lam = 1),
     # or at least their saved activations coming in (lam = 0), whichever bounds higher
@@ -215,6 +219,12 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     if n > 1:
         fwd_hops, back_hops, back_rests = _pipeline_hops(profile, hw, cfg, uf, ub, cap, fits, timers)
         after = _after_forward(profile, hw, cfg, uf, ub, fits, forward, back_hops)
+        # from the criterion pack's start on (at least the forward's first-microbatch path)
+        links = (saved * per_in, [lam * no_rec + (1 - lam) * moved + exposed for lam in (0.0, 0.5, 1.0)]) \
+            if stash else None
+        from_crit = fwd_first + fwd_hops + _from_criterion(profile, hw, cfg, ub, fits, bwd, links,
+                                                          (profile.param_bytes(0, before)
+                                                           + profile.buffer_bytes(0, before)) * per_in)
 
     def serial(k):
         """(the serial paths, the pipeline ends, the few-backward-packs bound) with ``timers[k]``."""
@@ -225,7 +235,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
             return one, np.zeros(len(fits)), np.full(len(fits), np.inf)
         one = np.maximum.reduce([one + fwd_hops + back_rests[k],
                                  fwd_first + _criterion_rest(profile, ub, fits, bt) + fwd_hops + back_hops,
-                                 after + bt(ub[-1], 0, fits - 1)])
+                                 after + bt(ub[-1], 0, fits - 1), from_crit])
         return (one, *_pipeline_ends(profile, hw, cfg, uf, ub, cap, fits, bt))
     if not stash:
         one, ends, few = serial(0)
@@ -238,9 +248,6 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     # stashed activations coming back): either may be the link term
     back = saved * per_in
     out = sum(profile.costs("FWD", u).saved for u in uf) * per_out
-    # a stashed layer's pack also carries what the forward compute does not hide of its
-    # activations leaving (tasks.py: the same per-layer sum over the forward microbatches)
-    exposed = stash_out_exposed(profile, uf, link_rates(hw, cfg)[2])
     best, totals = np.zeros(len(fits)), []
     rec = bwd / n
     for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all * per_in))):
@@ -302,6 +309,38 @@ def _after_forward(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     _, hc, _ = boundary_hops(profile, hw, cfg, uf, ub)
     crit_last = profile.costs("BWD", ub[-1]).pack_time(fits, np.full(len(fits), R - 1))
     return forward / n + hc[fits] + crit_last + back_hops + _last_step(profile, hw, bw_out)
+
+
+def _from_criterion(profile: Profile, hw: Hardware, cfg: Config, ub: list[int], fits: np.ndarray, bwd: np.ndarray,
+                    links, weights_in: np.ndarray) -> np.ndarray:
+    """vPP, per criterion start s in ``fits``: at least the time from the criterion pack's start to
+    the end. In timing.py's recurrence every backward task starts after the criterion pack's first
+    microbatch, the tasks of one GPU one after another, the criterion pack's GPU runs its backward
+    tasks after it, and the last task's gradients leave and step after its end; so N x (T - S_crit)
+    >= the criterion pack's compute + (N - 1) x its first microbatch + every backward compute +
+    ``_last_step`` (``work``). And the backward phase takes at least its traffic (timing.py) after
+    the criterion pack ends: T - S_crit >= the criterion pack's compute + the weights of the layers
+    before s + the stashed activations coming back (``link``). So T - S_crit >= mu work + (1 - mu)
+    link for every mu in [0, 1], a sum over the layers before s where each takes the cheaper of
+    recompute and stash. ``links``: None without stash variants, else (each layer's stashed
+    activations over the link, the stashed layer's compute at a few mixes (``config_bound``))."""
+    R, n = profile.num_layers, cfg.ranks
+    last = _last_step(profile, hw, link_rates(hw, cfg)[2])
+    end = np.full(len(fits), R - 1)
+    crit = sum(k * profile.costs("BWD", u).pack_time(fits, end) for u, k in collections.Counter(ub).items())
+    fixed = crit + (n - 1) * profile.costs("BWD", ub[0]).pack_time(fits, end) + last
+    cum = np.concatenate([[0.0], np.cumsum(bwd)])[fits]
+    work = (fixed + cum) / n
+    if links is None:
+        return work
+    back, stashed = links
+    best = np.zeros(len(fits))
+    for st in stashed:
+        for mu in (0.0, 0.25, 0.5, 0.75, 1.0):
+            per = np.minimum(mu * bwd / n, mu * st / n + (1 - mu) * back)
+            cum = np.concatenate([[0.0], np.cumsum(per)])[fits]
+            best = np.maximum(best, mu * fixed / n + (1 - mu) * (crit + weights_in) + cum)
+    return best
 
 
 def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int,
