@@ -162,7 +162,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
       microbatches cannot hide). In vPP, more: it is handed from task to task (``_pipeline_hops``)
       and the last task runs its other microbatches after it; and the first microbatch's trip
       through the forward layers before s, every microbatch of the criterion pack, the last
-      microbatch's trip back (``_criterion_rest``), handed on the same way: the criterion pack is
+      microbatch's trip back, handed on the same way: the criterion pack is
       one serial piece of work; and the forward compute per GPU, then the last microbatch's trip
       back from the criterion pack on (``_after_forward``); and the first microbatch's trip to the
       criterion pack, then the work from its start on (``_from_criterion``). Where stash may
@@ -206,25 +206,29 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     # per criterion start s in ``fits``: the forward compute and the weights of the layers before it
     forward = sum(k * profile.costs("FWD", u).pack_time(0, before) for u, k in collections.Counter(uf).items())
     w_all = profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1)
-    w_in = (w_all + profile.param_bytes(0, before) + profile.buffer_bytes(0, before)) * per_in
+    w_before = profile.param_bytes(0, before) + profile.buffer_bytes(0, before)
+    w_in = (w_all + w_before) * per_in
     n = cfg.ranks
+    _, bw_in, bw_out, _ = link_rates(hw, cfg)
     # a stashed layer's pack also carries what the forward compute does not hide of its
     # activations leaving (tasks.py: the same per-layer sum over the forward microbatches)
-    exposed = stash_out_exposed(profile, uf, link_rates(hw, cfg)[2])
+    exposed = stash_out_exposed(profile, uf, bw_out)
     fwd_first = profile.costs("FWD", uf[0]).pack_time(0, before)
     # stashed layers in the serial paths: at least their backward without the forward (lam = 1),
     # or at least their saved activations coming in (lam = 0), whichever bounds higher
-    bw_in = link_rates(hw, cfg)[1]
     timers = [_backward_timer(profile, lam, bw_in) for lam in ((1.0, 0.0) if stash else (None,))]
     if n > 1:
         fwd_hops, back_hops, back_rests = _pipeline_hops(profile, hw, cfg, uf, ub, cap, fits, timers)
-        after = _after_forward(profile, hw, cfg, uf, ub, fits, forward, back_hops)
+        last = _last_step(profile, hw, bw_out)
+        # every microbatch of the criterion pack [s, R-1]
+        crit = sum(k * profile.costs("BWD", u).pack_time(fits, np.full(len(fits), R - 1))
+                   for u, k in collections.Counter(ub).items())
+        after = _after_forward(profile, hw, cfg, uf, ub, fits, forward, back_hops, last)
         # from the criterion pack's start on (at least the forward's first-microbatch path)
         links = (saved * per_in, [lam * no_rec + (1 - lam) * moved + exposed for lam in (0.0, 0.5, 1.0)]) \
             if stash else None
-        from_crit = fwd_first + fwd_hops + _from_criterion(profile, hw, cfg, ub, fits, bwd, links,
-                                                          (profile.param_bytes(0, before)
-                                                           + profile.buffer_bytes(0, before)) * per_in)
+        from_crit = fwd_first + fwd_hops + _from_criterion(profile, cfg, ub, fits, bwd, links, w_before * per_in,
+                                                          crit, last)
 
     def serial(k):
         """(the serial paths, the pipeline ends, the few-backward-packs bound) with ``timers[k]``."""
@@ -233,10 +237,13 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         one = bt(ub[0], 0, R - 1) + fwd_first
         if n == 1:
             return one, np.zeros(len(fits)), np.full(len(fits), np.inf)
-        one = np.maximum.reduce([one + fwd_hops + back_rests[k],
-                                 fwd_first + _criterion_rest(profile, ub, fits, bt) + fwd_hops + back_hops,
-                                 after + bt(ub[-1], 0, fits - 1), from_crit])
-        return (one, *_pipeline_ends(profile, hw, cfg, uf, ub, cap, fits, bt))
+        # the criterion pack's path: the first microbatch's trip through the forward layers before s,
+        # every microbatch of the criterion pack, the last microbatch's trip back (in timing.py's
+        # recurrence the S chain up to the criterion task, its load, the E chain after it); a pack's
+        # compute is the sum of its layers', so this holds for every packing of the other layers
+        path = fwd_first + crit + bt(ub[-1], 0, fits - 1) + fwd_hops + back_hops
+        one = np.maximum.reduce([one + fwd_hops + back_rests[k], path, after + bt(ub[-1], 0, fits - 1), from_crit])
+        return (one, *_pipeline_ends(profile, hw, cfg, uf, ub, cap, fits, bt, last))
     if not stash:
         one, ends, few = serial(0)
         base = np.maximum(w_in, one)
@@ -295,7 +302,7 @@ def _pipeline_hops(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
 
 
 def _after_forward(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], fits: np.ndarray,
-                   forward: np.ndarray, back_hops: np.ndarray) -> np.ndarray:
+                   forward: np.ndarray, back_hops: np.ndarray, last: float) -> np.ndarray:
     """vPP, per criterion start s in ``fits``: the forward compute per GPU, then the last
     microbatch's trip back but its backward compute through the layers before s (which the caller
     adds, as the stash variants may shorten it). In timing.py's recurrence every forward task runs
@@ -303,16 +310,16 @@ def _after_forward(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     along the chain, so the last forward task ends no earlier than the forward compute / N; then
     the E chain: the criterion pack's last microbatch and every backward pack's, each after its
     handoff, and the last pack's gradients leave and step (as in ``_pipeline_ends``). ``forward``:
-    the forward compute of the layers before s; ``back_hops`` from ``_pipeline_hops``."""
+    the forward compute of the layers before s; ``back_hops`` from ``_pipeline_hops``; ``last``:
+    ``_last_step``."""
     R, n = profile.num_layers, cfg.ranks
-    _, _, bw_out, _ = link_rates(hw, cfg)
     _, hc, _ = boundary_hops(profile, hw, cfg, uf, ub)
     crit_last = profile.costs("BWD", ub[-1]).pack_time(fits, np.full(len(fits), R - 1))
-    return forward / n + hc[fits] + crit_last + back_hops + _last_step(profile, hw, bw_out)
+    return forward / n + hc[fits] + crit_last + back_hops + last
 
 
-def _from_criterion(profile: Profile, hw: Hardware, cfg: Config, ub: list[int], fits: np.ndarray, bwd: np.ndarray,
-                    links, weights_in: np.ndarray) -> np.ndarray:
+def _from_criterion(profile: Profile, cfg: Config, ub: list[int], fits: np.ndarray, bwd: np.ndarray, links,
+                    weights_in: np.ndarray, crit: np.ndarray, last: float) -> np.ndarray:
     """vPP, per criterion start s in ``fits``: at least the time from the criterion pack's start to
     the end. In timing.py's recurrence every backward task starts after the criterion pack's first
     microbatch, the tasks of one GPU one after another, the criterion pack's GPU runs its backward
@@ -323,12 +330,10 @@ def _from_criterion(profile: Profile, hw: Hardware, cfg: Config, ub: list[int], 
     before s + the stashed activations coming back (``link``). So T - S_crit >= mu work + (1 - mu)
     link for every mu in [0, 1], a sum over the layers before s where each takes the cheaper of
     recompute and stash. ``links``: None without stash variants, else (each layer's stashed
-    activations over the link, the stashed layer's compute at a few mixes (``config_bound``))."""
+    activations over the link, the stashed layer's compute at a few mixes (``config_bound``));
+    ``crit``: the criterion pack's compute, every microbatch."""
     R, n = profile.num_layers, cfg.ranks
-    last = _last_step(profile, hw, link_rates(hw, cfg)[2])
-    end = np.full(len(fits), R - 1)
-    crit = sum(k * profile.costs("BWD", u).pack_time(fits, end) for u, k in collections.Counter(ub).items())
-    fixed = crit + (n - 1) * profile.costs("BWD", ub[0]).pack_time(fits, end) + last
+    fixed = crit + (n - 1) * profile.costs("BWD", ub[0]).pack_time(fits, np.full(len(fits), R - 1)) + last
     cum = np.concatenate([[0.0], np.cumsum(bwd)])[fits]
     work = (fixed + cum) / n
     if links is None:
@@ -344,7 +349,7 @@ def _from_criterion(profile: Profile, hw: Hardware, cfg: Config, ub: list[int], 
 
 
 def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int,
-                   fits: np.ndarray, bt) -> tuple[np.ndarray, np.ndarray]:
+                   fits: np.ndarray, bt, last: float) -> tuple[np.ndarray, np.ndarray]:
     """vPP, per criterion start s in ``fits``: (what every GPU waits before its first task and after
     its last one, summed over the GPUs; a bound for the plans where that sum does not hold).
 
@@ -359,9 +364,10 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     first n positions cannot all be forward packs (fewer forward packs cover [0, s - 1]), the
     criterion pack and backward packs may sit there. The last n - 1 positions are backward packs
     unless at most n - 2 tasks do the whole backward, on as many GPUs: for those plans the second
-    array, that backward compute per GPU (inf where no packs that fit are so few)."""
+    array, that backward compute per GPU (inf where no packs that fit are so few). ``last``:
+    ``_last_step``."""
     R, n = profile.num_layers, cfg.ranks
-    _, bw_in, bw_out, _ = link_rates(hw, cfg)
+    _, bw_in, _, _ = link_rates(hw, cfg)
     hf, _, _ = boundary_hops(profile, hw, cfg, uf, ub)
     layers = np.arange(R)
     f1 = profile.costs("FWD", uf[0]).time
@@ -393,7 +399,7 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     run[0] = (n - 1) * bl[0]
     for m in range(1, n - 1):
         run = _least_before(run) + (n - 1 - m) * bl
-    tails = float(run.min()) + n * _last_step(profile, hw, bw_out)
+    tails = float(run.min()) + n * last
 
     ends = np.where(fits > 0, heads + tails, 0.0)         # s = 0: one task, its serial path bounds it
     few = np.full(len(fits), np.inf)
@@ -450,17 +456,6 @@ def _least_packing(max_end: np.ndarray, at_start: np.ndarray, at_top: np.ndarray
             best = min(best, start[0] + first[c])
         least[c] = best + top[c]
     return np.asarray(least)
-
-
-def _criterion_rest(profile: Profile, ub: list[int], fits: np.ndarray, bt) -> np.ndarray:
-    """vPP, per criterion start s in ``fits``: after the first microbatch's trip through the
-    forward layers before s, every microbatch of the criterion pack [s, R-1], then the last
-    microbatch's trip back through the backward layers (in timing.py's recurrence: the S chain up
-    to the criterion task, its load, the E chain after it). A pack's compute is the sum of its
-    layers', so this holds for every packing of the other layers (``bt``: ``_backward_timer``)."""
-    R = profile.num_layers
-    crit = sum(profile.costs("BWD", u).pack_time(fits, np.full(len(fits), R - 1)) for u in ub)
-    return crit + bt(ub[-1], 0, fits - 1)
 
 
 def _backward_timer(profile: Profile, lam: float | None, bw_in: float):
