@@ -48,7 +48,7 @@ from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
 from .tasks import (MAX_LAYERS_WITH_STASH, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
-                    forward_costs, link_capacity, link_rates, stash_out_exposed)
+                    forward_costs, link_capacity, link_rates, stash_out_exposed, stashable_layers)
 from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
 
@@ -152,8 +152,10 @@ def configurations(profile: Profile, hw: Hardware, batch: int, opts: PlannerOpti
     return out
 
 
-def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool) -> float:
-    """A valid lower bound on the model's iteration time of any plan of ``cfg`` (seconds).
+def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
+                 stash_layers: np.ndarray | None = None) -> float:
+    """A valid lower bound on the model's iteration time of any plan of ``cfg`` (seconds), with stash
+    variants (``stash``) for the layers build_tasks offers them (``stash_layers``, the same default).
 
     Every plan has a criterion pack [s, R-1] (one that fits); for each such s, and the least
     over s is taken:
@@ -191,6 +193,10 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         return float("inf")
     before = fits - 1                   # the layers before each criterion start: [0, s - 1]
     uf, ub = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
+    # the layers whose stash variants exist (tasks.stashable_layers); elsewhere only the recompute
+    ok = np.zeros(R, bool) if not stash else stashable_layers(profile, hw, cfg, uf, ub) if stash_layers is None \
+        else np.asarray(stash_layers, bool)
+    stash = bool(ok.any())
     copies = cfg.gpus if cfg.mode == "vDP" else 1
     wait = copies if hw.shared_host_link else 1        # a transfer's time in vDP (tasks.py)
     # seconds per byte over the host link, all copies' traffic counted (tasks.Tasks.ticks)
@@ -216,7 +222,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     fwd_first = profile.costs("FWD", uf[0]).pack_time(0, before)
     # stashed layers in the serial paths: at least their backward without the forward (lam = 1),
     # or at least their saved activations coming in (lam = 0), whichever bounds higher
-    timers = [_backward_timer(profile, lam, bw_in) for lam in ((1.0, 0.0) if stash else (None,))]
+    timers = [_backward_timer(profile, lam, bw_in, ok) for lam in ((1.0, 0.0) if stash else (None,))]
     if n > 1:
         fwd_hops, back_hops, back_rests = _pipeline_hops(profile, hw, cfg, uf, ub, cap, fits, timers)
         last = _last_step(profile, hw, bw_out)
@@ -225,7 +231,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
                    for u, k in collections.Counter(ub).items())
         after = _after_forward(profile, hw, cfg, uf, ub, fits, forward, back_hops, last)
         # from the criterion pack's start on (at least the forward's first-microbatch path)
-        links = (saved * per_in, [lam * no_rec + (1 - lam) * moved + exposed for lam in (0.0, 0.5, 1.0)]) \
+        links = (saved * per_in, [lam * no_rec + (1 - lam) * moved + exposed for lam in (0.0, 0.5, 1.0)], ok) \
             if stash else None
         from_crit = fwd_first + fwd_hops + _from_criterion(profile, cfg, ub, fits, bwd, links, w_before * per_in,
                                                           crit, last)
@@ -265,7 +271,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
             with np.errstate(divide="ignore", invalid="ignore"):
                 knees = np.where(rec - st + link_s > 0, link_s / (rec - st + link_s), 0.0)
             mus = np.clip(np.concatenate([[0.0, 1.0], knees]), 0.0, 1.0)[:, None]
-            per_layer = np.minimum(mus * rec, mus * st + (1 - mus) * link_s).sum(axis=1)
+            per_layer = np.where(ok, np.minimum(mus * rec, mus * st + (1 - mus) * link_s), mus * rec).sum(axis=1)
             total = per_layer[:, None] + mus * forward[None, :] / n + (1 - mus) * link_w[None, :]
             best = np.maximum(best, total.max(axis=0))
             totals.append((total, mus))
@@ -330,19 +336,19 @@ def _from_criterion(profile: Profile, cfg: Config, ub: list[int], fits: np.ndarr
     before s + the stashed activations coming back (``link``). So T - S_crit >= mu work + (1 - mu)
     link for every mu in [0, 1], a sum over the layers before s where each takes the cheaper of
     recompute and stash. ``links``: None without stash variants, else (each layer's stashed
-    activations over the link, the stashed layer's compute at a few mixes (``config_bound``));
-    ``crit``: the criterion pack's compute, every microbatch."""
+    activations over the link, the stashed layer's compute at a few mixes (``config_bound``), the
+    layers that have stash variants); ``crit``: the criterion pack's compute, every microbatch."""
     R, n = profile.num_layers, cfg.ranks
     fixed = crit + (n - 1) * profile.costs("BWD", ub[0]).pack_time(fits, np.full(len(fits), R - 1)) + last
     cum = np.concatenate([[0.0], np.cumsum(bwd)])[fits]
     work = (fixed + cum) / n
     if links is None:
         return work
-    back, stashed = links
+    back, stashed, ok = links
     best = np.zeros(len(fits))
     for st in stashed:
         for mu in (0.0, 0.25, 0.5, 0.75, 1.0):
-            per = np.minimum(mu * bwd / n, mu * st / n + (1 - mu) * back)
+            per = np.where(ok, np.minimum(mu * bwd / n, mu * st / n + (1 - mu) * back), mu * bwd / n)
             cum = np.concatenate([[0.0], np.cumsum(per)])[fits]
             best = np.maximum(best, mu * fixed / n + (1 - mu) * (crit + weights_in) + cum)
     return best
@@ -458,13 +464,14 @@ def _least_packing(max_end: np.ndarray, at_start: np.ndarray, at_top: np.ndarray
     return np.asarray(least)
 
 
-def _backward_timer(profile: Profile, lam: float | None, bw_in: float):
+def _backward_timer(profile: Profile, lam: float | None, bw_in: float, ok: np.ndarray | None = None):
     """``time(u, a, b)``: at least the backward compute of one microbatch of ``u`` samples over packs
     [a, b] (0 where empty), whatever the pack's option. Where stash may replace the recompute
     (``lam`` not None), a stashed pack's microbatch takes max(backward - forward, saved / link)
     (tasks.py) >= lam * first + (1 - lam) * second, a sum over its layers: each layer counts the
-    lesser of that and its recompute. Every lam in [0, 1] gives a valid bound; 1 leaves out the
-    link, 0 the compute saved."""
+    lesser of that and its recompute (only the recompute where ``ok``, tasks.stashable_layers, says
+    it has no stash variant). Every lam in [0, 1] gives a valid bound; 1 leaves out the link, 0 the
+    compute saved."""
     if lam is None:
         return lambda u, a, b: profile.costs("BWD", u).pack_time(a, b)
     sums = {}
@@ -473,6 +480,7 @@ def _backward_timer(profile: Profile, lam: float | None, bw_in: float):
         if u not in sums:
             c = profile.costs("BWD", u)
             per = np.minimum(c.time, lam * (c.time - forward_costs(profile, u).time) + (1 - lam) * c.saved / bw_in)
+            per = per if ok is None else np.where(ok, per, c.time)
             sums[u] = np.concatenate([[0.0], np.cumsum(per)])
         a, b = np.asarray(a), np.asarray(b)
         return np.where(b >= a, sums[u][b + 1] - sums[u][a], 0.0)
@@ -521,9 +529,14 @@ class _Search:
         shares = [self.batch] if cfg.mode == "vPP" else data_shares(self.batch, cfg.gpus)
         return cfg.ranks == 1 and any(len(split_microbatches(n, cfg.u_bwd)) == 1 for n in shares)
 
-    @property
-    def stash(self) -> bool:            # stash variants offered (coupled memory: small models only)
-        return self.options and self.profile.num_layers <= MAX_LAYERS_WITH_STASH
+    def stash(self, cfg: Config) -> bool:
+        """Whether stash variants are searched for ``cfg``: coupled memory limits them to small
+        models, and in vPP to the layers whose saved activations the shared link moves faster than
+        they are recomputed (tasks.stashable_layers)."""
+        if not (self.options and self.profile.num_layers <= MAX_LAYERS_WITH_STASH):
+            return False
+        uf, ub = (split_microbatches(self.batch, u) for u in (cfg.u_fwd, cfg.u_bwd))
+        return cfg.ranks == 1 or bool(stashable_layers(self.profile, self.hw, cfg, uf, ub).any())
 
     @property
     def timeline_share(self) -> float:  # of the budget, kept for the timeline model
@@ -619,11 +632,11 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
         # the DP's optimum bounds the configuration where no stash variant could beat it, and every
         # variant of the model where plans cannot keep gradients on the GPU either (_tighten)
         chain_ = cfg.ranks == 1
-        bound = max(bounds[cfg], dp_bound if dp_bound is not None and not S.stash else 0.0)
+        bound = max(bounds[cfg], dp_bound if dp_bound is not None and not S.stash(cfg) else 0.0)
         kept = chain_ and S.handoff(cfg)
         found.append(_Candidate(cfg, tasks, seq, value, bound, bounds[cfg] if kept else bound,
                                 "dp" if dp_bound is not None else "balanced",
-                                tight=not (chain_ and S.stash), tight_floor=not kept))
+                                tight=not (chain_ and S.stash(cfg)), tight_floor=not kept))
         if value < best_value:
             best_value = value
             S.say(f"[{i + 1}/{len(configs)}] {cfg}: model {value:.4f} s  <- best so far")
@@ -654,7 +667,7 @@ def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
     CP-SAT candidates (is the DP solution already optimal?) and the configuration holding the bound
     over all of them down."""
     for kept in [k for k, todo in ((False, not c.tight), (True, floor and not c.tight_floor)) if todo]:
-        tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=S.stash,
+        tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=S.stash(c.cfg),
                             cuts=c.tasks.cuts, gpu_handoff=kept)
         S.budget.spend(Budget.PER_ROW * len(tasks.table) + Budget.PER_NODE * 2 * tasks.num_layers
                        + Budget.PER_PAIR * dp.pairs(tasks))
@@ -695,7 +708,7 @@ def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
             c.proof = "dp"      # the DP's optimum with every variant meets the model's value
             continue
         tasks, seq = c.tasks, c.seq
-        if S.stash:
+        if S.stash(c.cfg):
             tasks = S.tasks(c.cfg, stash=True, cuts=c.tasks.cuts)
             idx = tasks.table.index()
             seq = [idx[c.tasks.table.key(k)] for k in c.seq]
@@ -885,7 +898,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
 
     # 1. configurations in the order of their cheap bound, the hint's first (its value prunes early)
     configs = configurations(profile, hw, batch, opts)
-    bounds = {c: config_bound(profile, hw, batch, c, S.cap, S.stash) for c in configs}
+    bounds = {c: config_bound(profile, hw, batch, c, S.cap, S.stash(c)) for c in configs}
     S.budget.spend(Budget.PER_BOUND * len(configs))
     configs = sorted((c for c in configs if np.isfinite(bounds[c])), key=lambda c: (bounds[c], str(c)))
     if incumbent is not None:

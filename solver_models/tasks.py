@@ -230,6 +230,24 @@ def stash_out_exposed(profile: Profile, uf_list: list[int], bw_out: float) -> np
                       0.0)
 
 
+def stashable_layers(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int], ub_list: list[int]) -> np.ndarray:
+    """Per layer, whether a backward pack holding it may stash instead of recompute: in a chain
+    every layer; in vPP only where its saved activations leave in the forward and come back in the
+    backward in less time than its recompute takes, the pipeline's N GPUs taking turns on a shared
+    host link. Elsewhere stash traffic fills the link and the GPUs wait for it in ways the
+    model does not time: it rated such vPP plans up to 28 % faster than the simulator plays them
+    (benchmarks/results/stash_fidelity.md, docs/planner.md section 5)."""
+    R = profile.num_layers
+    if cfg.ranks == 1:
+        return np.ones(R, bool)
+    _, bw_in, bw_out, _ = link_rates(hw, cfg)
+    share = cfg.ranks if hw.shared_host_link else 1
+    move = share * (sum(profile.costs("FWD", u).saved for u in uf_list) / bw_out
+                    + sum(profile.costs("BWD", u).saved for u in ub_list) / bw_in)
+    recompute = sum(forward_costs(profile, u).time for u in ub_list)
+    return np.asarray(move[:R] <= recompute[:R], bool)
+
+
 def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int], ub_list: list[int],
                   pin_b: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer boundary b (0..R-1), the ``hop_in`` of a task whose input crosses it (the module
@@ -257,10 +275,11 @@ def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int
 
 def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, *,
                 gpu_opt: bool = True, stash: bool = True, cuts: np.ndarray | None = None,
-                gpu_handoff: bool = False) -> Tasks:
+                gpu_handoff: bool = False, stash_layers: np.ndarray | None = None) -> Tasks:
     """Every candidate task of ``cfg`` with its costs (see the module docstring): backward packs
     with the optimizer step on the GPU where ``gpu_opt``, with stashed activations where ``stash``
-    (and the model has at most MAX_LAYERS_WITH_STASH layers); with ``gpu_handoff`` (Plan.gpu_handoff)
+    (and the model has at most MAX_LAYERS_WITH_STASH layers), for packs whose every layer is in
+    ``stash_layers`` (a mask, default ``stashable_layers``); with ``gpu_handoff`` (Plan.gpu_handoff)
     a chain's gradient handoffs between single-microbatch backward tasks take no time and no link
     (memory rules unchanged: a task's working set already holds the one tensor kept)."""
     R = profile.num_layers
@@ -360,6 +379,9 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
                       d2h_fwd=stash_out)
 
     stash_ok = stash and R <= MAX_LAYERS_WITH_STASH
+    # packs whose every layer may stash (stashable_layers): a prefix count of those that may not
+    ok = stashable_layers(profile, hw, cfg, uf_list, ub_list) if stash_layers is None else stash_layers
+    not_ok = np.concatenate([[0], np.cumsum(~np.asarray(ok, bool))])
     bs, be = enumerate_packs(max_pack_end(cb, cap), 0, R - 2, cuts)
     cs = np.array([s for s in cuts if s <= R - 1 and cb.pack_memory(int(s), R - 1) <= cap], int)
     ce = np.full(len(cs), R - 1)
@@ -371,7 +393,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         for recompute, on_gpu in variants:
             if kind == C and not recompute:
                 continue          # the loss pack runs its forward and backward together: nothing to stash
-            keep = np.ones(len(s0), bool)
+            keep = np.ones(len(s0), bool) if recompute else not_ok[e0 + 1] == not_ok[s0]
             if on_gpu:            # the state must fit beside the working set
                 keep &= cb.pack_memory(s0, e0) + profile.optimizer_bytes(s0, e0) <= cap
             s, e = s0[keep], e0[keep]

@@ -1,6 +1,7 @@
 """The CP-SAT planner: its models equal the exact DP where both apply, their objectives are what
 their packs are worth, bounds are bounds, plans are valid, infeasible requests are explained,
 and the same inputs give the same plan."""
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
@@ -10,7 +11,7 @@ from harmony_opt.plan import split_microbatches
 from harmony_opt.simulator import simulate
 from solver_models import chain, dp, pipeline, search
 from solver_models.planner import PlannerOptions, config_bound, plan
-from solver_models.tasks import Config, build_tasks
+from solver_models.tasks import Config, build_tasks, stashable_layers
 from solver_models.timing import evaluate, packs_of, phase_parts, sequence_of
 
 from conftest import synthetic_profile
@@ -176,12 +177,17 @@ def test_stash_bound_counts_the_forward_time_stashing_costs():
     take longer to leave than the forward takes to compute them, and the model charges that to the
     layer's backward pack (tasks.py), which costs about what skipping the recompute saves. The bound
     with stash variants counts it: within 3 % of the bound without them (it was 11 % below when it
-    left it out), and still below every plan found, stashed or not."""
+    left it out), and still below every plan found, stashed or not. The planner offers no stash
+    variant here (tasks.stashable_layers: the link moves a layer's saved activations slower than it
+    is recomputed); the bound is checked with one on every layer."""
     prof, hw, cap = load_profile("gpt2_medium"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
     cfg = Config("vPP", 2, 11, 2)
-    bound = config_bound(prof, hw, 32, cfg, cap, stash=True)
+    every = np.ones(prof.num_layers, bool)
+    bound = config_bound(prof, hw, 32, cfg, cap, stash=True, stash_layers=every)
     assert bound >= 0.97 * config_bound(prof, hw, 32, cfg, cap, stash=False)
-    tasks = build_tasks(prof, hw, 32, cfg, cap, stash=True)
+    assert config_bound(prof, hw, 32, cfg, cap, stash=True) == config_bound(prof, hw, 32, cfg, cap, stash=False)
+    assert build_tasks(prof, hw, 32, cfg, cap, stash=True).table.recompute.all()
+    tasks = build_tasks(prof, hw, 32, cfg, cap, stash=True, stash_layers=every)
     starts = [seq for _, seq in search.starts(tasks, prof, tries=3)[0]]
     plans = starts + [_stashed(tasks, seq) for seq in starts]
     assert any(evaluate(tasks, seq) < float("inf") and seq != plain for seq, plain in zip(plans[len(starts):], starts))
@@ -219,26 +225,33 @@ def _every_plan(tasks):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(3, 5), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
        st.floats(0.2, 1.0), st.sampled_from([(2, "vPP"), (3, "vPP"), (4, "vPP"), (2, "vDP")]), st.booleans(),
-       st.sampled_from([4, 8, 16]), st.sampled_from([1, 100]))
+       st.sampled_from([4, 8, 16]), st.sampled_from([1, 100]), st.booleans())
 # saved activations that take longer to come in than the layer's recompute: a bound counting them
 # for every layer, not the lesser of the two, is above the best plan here
-@example(R=5, seed=133, uf=1, ub=4, tight=0.9029743185670773, gm=(2, "vPP"), stash=True, batch=4, act_scale=100)
-@example(R=5, seed=994, uf=4, ub=4, tight=0.65757458206291, gm=(2, "vDP"), stash=True, batch=8, act_scale=100)
+@example(R=5, seed=133, uf=1, ub=4, tight=0.9029743185670773, gm=(2, "vPP"), stash=True, batch=4, act_scale=100,
+         every_layer=True)
+@example(R=5, seed=994, uf=4, ub=4, tight=0.65757458206291, gm=(2, "vDP"), stash=True, batch=8, act_scale=100,
+         every_layer=False)
 # from the criterion pack's start: a bound taking every backward layer's recompute although stash
 # may replace it, or N (not N - 1) waits for the criterion pack's first microbatch, is above it here
-@example(R=4, seed=874, uf=2, ub=1, tight=0.8597980094580586, gm=(2, "vPP"), stash=True, batch=16, act_scale=1)
-@example(R=3, seed=562, uf=1, ub=4, tight=0.5375033816498669, gm=(2, "vPP"), stash=False, batch=4, act_scale=100)
-def test_bound_is_below_the_best_of_every_plan(R, seed, uf, ub, tight, gm, stash, batch, act_scale):
+@example(R=4, seed=874, uf=2, ub=1, tight=0.8597980094580586, gm=(2, "vPP"), stash=True, batch=16, act_scale=1,
+         every_layer=True)
+@example(R=3, seed=562, uf=1, ub=4, tight=0.5375033816498669, gm=(2, "vPP"), stash=False, batch=4, act_scale=100,
+         every_layer=False)
+def test_bound_is_below_the_best_of_every_plan(R, seed, uf, ub, tight, gm, stash, batch, act_scale, every_layer):
     """The bound against the model's optimum by enumeration (every packing, every variant), so
     that a term the bound adds for some plans but not others (the waits at the pipeline's ends,
     which plans with few backward packs do not have) is caught on the plans no search would find;
     with activations 100 times larger too, where a stashed layer's saved activations take longer
-    to come in than its recompute."""
+    to come in than its recompute; with stash variants where the planner offers them
+    (tasks.stashable_layers) or on every layer, which vPP does not offer, so that the stash terms
+    are checked there too."""
     gpus, mode = gm
     prof, hw, cap, cfg = _instance(R, seed, uf, ub, tight, gpus, mode=mode, act_scale=act_scale)
-    tasks = build_tasks(prof, hw, batch, cfg, cap, stash=stash)
+    layers = np.ones(R, bool) if every_layer else None
+    tasks = build_tasks(prof, hw, batch, cfg, cap, stash=stash, stash_layers=layers)
     best = min((evaluate(tasks, seq) for seq in _every_plan(tasks)), default=float("inf"))
-    assert config_bound(prof, hw, batch, cfg, cap, stash) <= best + 1e-9
+    assert config_bound(prof, hw, batch, cfg, cap, stash, stash_layers=layers) <= best + 1e-9
 
 
 def test_vpp_bound_counts_the_waits_at_the_pipeline_ends():
@@ -318,7 +331,8 @@ def test_model_counts_stashed_activations_in_their_phase_in_vpp():
     prof = load_profile("gpt2_xl")
     hw = get_hardware("1080ti-x4").with_gpus(2)
     cap, cfg = int(9e9), Config("vPP", 2, 11, 4)
-    tasks = build_tasks(prof, hw, 32, cfg, cap)
+    # the planner offers no stash variant here (tasks.stashable_layers); the model still times them
+    tasks = build_tasks(prof, hw, 32, cfg, cap, stash_layers=np.ones(prof.num_layers, bool))
     starts, _ = search.starts(tasks, prof)
     seq = _stashed(tasks, starts[0][1])
     f, b, o = packs_of(tasks, seq)
@@ -402,11 +416,12 @@ def test_infeasible_request_is_explained():
     assert "no smaller microbatch is profiled, so use a larger --memory-cap" in msg
 
 
-def _stash_friendly(R=8):
-    """Forward-heavy layers whose saved activations are small: stashing beats recomputing."""
+def _stash_friendly(R=8, saved_scale=1):
+    """Forward-heavy layers whose saved activations are small: stashing beats recomputing (unless
+    ``saved_scale`` makes them large)."""
     prof = synthetic_profile(R=R, seed=2)
     micro = prof.microbatch.copy()
-    micro["saved_bytes"] = micro["input_bytes"]          # saved == the input: cheap to move
+    micro["saved_bytes"] = micro["input_bytes"] * saved_scale     # saved == the input: cheap to move
     fwd = micro.phase == "FWD"
     micro.loc[fwd, "gpu_time_s"] *= 20                   # the recompute is expensive
     micro.loc[~fwd, "gpu_time_s"] = micro.loc[~fwd, "gpu_time_s"] + micro.loc[fwd, "gpu_time_s"].to_numpy()
@@ -424,6 +439,24 @@ def test_planner_stashes_where_it_pays_and_the_plan_is_faster():
     assert searched.simulated_iteration_time_s < harmony_only.simulated_iteration_time_s
     tl = simulate(searched, prof, hw, memory_cap=cap)
     assert max(tl.peak_memory().values()) <= cap
+
+
+def test_vpp_stashes_only_layers_the_link_moves_faster_than_they_recompute():
+    """Where a layer's saved activations take longer over the shared link than its recompute, the
+    model does not time vPP plans stashing it (benchmarks/results/stash_fidelity.md), and the
+    planner offers no such variant: with small activations a vPP plan stashes, with activations
+    300 times larger it stashes only the layers whose activations are still light."""
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+    cap = 10 * 2**30
+    for scale in (1, 300):
+        prof = _stash_friendly(saved_scale=scale)
+        p = plan(prof, hw, 8, PlannerOptions(mode="vPP", gpus=2, time_limit=2, hint=False), memory_cap=cap)
+        assert p.gpus == 2
+        ok = stashable_layers(prof, hw, Config.of(p), split_microbatches(8, p.microbatch_fwd),
+                              split_microbatches(8, p.microbatch_bwd))
+        stashed = [i for (a, b), o in zip(p.packs_bwd, p.options) if not o.recompute for i in range(a, b + 1)]
+        assert stashed and ok[stashed].all()
+        assert ok.all() == (scale == 1)
 
 
 def test_timeline_model_schedules_the_simulated_events_at_least_as_well():
