@@ -26,6 +26,7 @@ replicas' bytes (timing.py).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -242,9 +243,11 @@ def stashable_layers(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[
         return np.ones(R, bool)
     _, bw_in, bw_out, _ = link_rates(hw, cfg)
     share = cfg.ranks if hw.shared_host_link else 1
-    move = share * (sum(profile.costs("FWD", u).saved for u in uf_list) / bw_out
-                    + sum(profile.costs("BWD", u).saved for u in ub_list) / bw_in)
-    recompute = sum(forward_costs(profile, u).time for u in ub_list)
+    # sums over the microbatches, once per distinct size (at most two: split_microbatches)
+    uf, ub = collections.Counter(uf_list).items(), collections.Counter(ub_list).items()
+    move = share * (sum(k * profile.costs("FWD", u).saved for u, k in uf) / bw_out
+                    + sum(k * profile.costs("BWD", u).saved for u, k in ub) / bw_in)
+    recompute = sum(k * forward_costs(profile, u).time for u, k in ub)
     return np.asarray(move[:R] <= recompute[:R], bool)
 
 
@@ -380,8 +383,9 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
 
     stash_ok = stash and R <= MAX_LAYERS_WITH_STASH
     # packs whose every layer may stash (stashable_layers): a prefix count of those that may not
-    ok = stashable_layers(profile, hw, cfg, uf_list, ub_list) if stash_layers is None else stash_layers
-    not_ok = np.concatenate([[0], np.cumsum(~np.asarray(ok, bool))])
+    if stash_ok:
+        ok = stashable_layers(profile, hw, cfg, uf_list, ub_list) if stash_layers is None else stash_layers
+        not_ok = np.concatenate([[0], np.cumsum(~np.asarray(ok, bool))])
     bs, be = enumerate_packs(max_pack_end(cb, cap), 0, R - 2, cuts)
     cs = np.array([s for s in cuts if s <= R - 1 and cb.pack_memory(int(s), R - 1) <= cap], int)
     ce = np.full(len(cs), R - 1)
