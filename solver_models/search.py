@@ -3,7 +3,8 @@
 The vPP pipeline model (pipeline.py) has a weak LP relaxation, so CP-SAT needs a good
 first solution. The recurrence it encodes is cheap to evaluate (``timing.evaluate``,
 microseconds), so a few thousand steps of local search find one: starting from packs
-balanced by compute time (and from the hint, e.g. Harmony's plan), move one pack boundary,
+balanced by compute time (and from the hint, e.g. Harmony's plan; for the best configurations
+also from the packs that minimise the largest pack, ``partitioned``), move one pack boundary,
 split a pack or merge two, and keep the change when the model says the iteration is no
 slower. The random choices come from a seeded generator and the number of steps is fixed,
 so the result is deterministic.
@@ -50,6 +51,79 @@ def balanced(tasks: Tasks, profile, n_fwd: int, n_bwd: int, s: int) -> list[int]
         snapped = cuts[np.clip(np.searchsorted(cuts, pos), 0, len(cuts) - 1)]
         return sorted({int(c) for c in snapped if 0 < c < s})
     return _sequence(tasks, split("FWD", tasks.cfg.u_fwd, n_fwd), split("BWD", tasks.cfg.u_bwd, n_bwd), s)
+
+
+def minmax_cuts(prefix: np.ndarray, most: int) -> np.ndarray:
+    """``arg[k, i]``: where the last of k packs starts in the packing of blocks [0, i) into k packs
+    that minimises the largest pack (``prefix[i]``: the time of blocks [0, i)); the classic linear
+    partition DP, every k up to ``most`` at once (O(most M^2), vectorised). Read a packing off
+    with :func:`_read_cuts`."""
+    M = len(prefix)
+    span = prefix[None, :] - prefix[:, None]            # span[j, i]: blocks [j, i)
+    span[np.tril_indices(M)] = np.inf                   # a pack holds at least one block
+    best = np.full(M, np.inf)
+    best[0] = 0.0
+    arg = np.zeros((most + 1, M), int)
+    for k in range(1, most + 1):
+        vals = np.maximum(best[:, None], span)
+        arg[k] = np.argmin(vals, axis=0)
+        best = vals[arg[k], np.arange(M)]
+    return arg
+
+
+def _read_cuts(arg: np.ndarray, i: int, k: int) -> list[int]:
+    """The block boundaries inside [0, i) of ``minmax_cuts``'s packing into k packs."""
+    out = []
+    for kk in range(k, 0, -1):
+        i = int(arg[kk, i])
+        out.append(i)
+    return sorted(b for b in out if b > 0)
+
+
+def partitioned(tasks: Tasks, profile, counts: list[int], crit_starts: list[int]) -> tuple[list, int]:
+    """Sequences whose forward and backward packs over layers [0, s - 1] minimise the largest pack's
+    compute time for the given pack counts (at candidate boundaries; ``balanced`` snaps equal shares
+    to the nearest ones, which can leave every other pack a block heavier, and in vPP the heaviest
+    pack of each round of N sets the round's length). Returns [(model value, sequence)], work."""
+    cuts = tasks.cuts
+    most = max(counts)
+    args = {}
+    for phase, u in (("FWD", tasks.cfg.u_fwd), ("BWD", tasks.cfg.u_bwd)):
+        t = profile.costs(phase, u).pack_time(0, np.arange(-1, tasks.num_layers))
+        args[phase] = minmax_cuts(t[cuts], min(most, len(cuts) - 1))
+    pos = {int(c): i for i, c in enumerate(cuts)}
+    out, work = [], 0
+    for s in crit_starts:
+        i = pos.get(int(s))
+        if not i:
+            continue
+        for nf in counts:
+            for nb in counts:
+                if max(nf, nb) > i:
+                    continue
+                f = [int(cuts[b]) for b in _read_cuts(args["FWD"], i, nf)]
+                b = [int(cuts[b]) for b in _read_cuts(args["BWD"], i, nb)]
+                seq = _sequence(tasks, f, b, int(s))
+                if seq is not None:
+                    work += len(seq)
+                    out.append((evaluate(tasks, seq), seq))
+    return [o for o in out if np.isfinite(o[0])], work
+
+
+def partition_grid(tasks: Tasks, seq: list[int]) -> tuple[list[int], list[int]]:
+    """Pack counts and criterion starts around a sequence's, for :func:`partitioned`: its own
+    counts scaled by a few factors and multiples of N; its criterion start, the two candidate
+    starts either side and the largest (a small criterion pack shortens vPP's serial path)."""
+    t = tasks.table
+    nf = sum(1 for k in seq if t.kind[k] == F)
+    nb = len(seq) - nf - 1
+    n = tasks.cfg.ranks
+    counts = sorted({max(1, int(round(x * f))) for x in (max(nf, 1), max(nb, 1)) for f in (0.75, 1, 1.5)}
+                    | {n * k for k in (2, 4, 8, 16)})
+    crit = np.unique(t.start[t.kind == C]).tolist()
+    s = int(t.start[seq[nf]])
+    i = crit.index(s) if s in crit else len(crit) - 1
+    return counts, sorted({crit[j] for j in range(max(0, i - 1), min(len(crit), i + 2))} | {crit[-1]})
 
 
 def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6) -> tuple[list, int]:
