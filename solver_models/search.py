@@ -83,8 +83,9 @@ def _read_cuts(arg: np.ndarray, i: int, k: int) -> list[int]:
 def partitioned(tasks: Tasks, profile, counts: list[int], crit_starts: list[int]) -> tuple[list, int]:
     """Sequences whose forward and backward packs over layers [0, s - 1] minimise the largest pack's
     compute time for the given pack counts (at candidate boundaries; ``balanced`` snaps equal shares
-    to the nearest ones, which can leave every other pack a block heavier, and in vPP the heaviest
-    pack of each round of N sets the round's length). Returns [(model value, sequence)], work."""
+    to the nearest ones, which can leave some packs a block heavier than their neighbours, and in
+    vPP the heaviest pack of each round of N sets the round's length). Returns [(model value,
+    sequence)], work."""
     cuts = tasks.cuts
     most = max(counts)
     args = {}
@@ -112,8 +113,8 @@ def partitioned(tasks: Tasks, profile, counts: list[int], crit_starts: list[int]
 
 def partition_grid(tasks: Tasks, seq: list[int]) -> tuple[list[int], list[int]]:
     """Pack counts and criterion starts around a sequence's, for :func:`partitioned`: its own
-    counts scaled by a few factors and multiples of N; its criterion start, the two candidate
-    starts either side and the largest (a small criterion pack shortens vPP's serial path)."""
+    counts scaled by a few factors and multiples of N; its criterion start, the candidate start
+    either side and the largest (a small criterion pack shortens vPP's serial path)."""
     t = tasks.table
     nf = sum(1 for k in seq if t.kind[k] == F)
     nb = len(seq) - nf - 1
