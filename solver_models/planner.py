@@ -21,7 +21,8 @@ Decomposition (DESIGN.md, performance rules), in four steps under one determinis
 
 Reported in ``plan.solver``: the model's objective for the chosen plan and its agreement with
 the simulator (``fidelity``), the bound over every configuration (CP-SAT's bound where CP-SAT
-ran, the DP optimum or the cheap bound elsewhere) and the gap to it, the chosen
+ran, the DP optimum, for vPP the serial path through the largest pack (``pipeline_path_bound``)
+where it was computed, or the cheap bound elsewhere) and the gap to it, the chosen
 configuration's CP-SAT status and bound, the timeline model's result, the physical lower bound
 over all plans (harmony_opt.bound) and the speed-up over Harmony's search.
 """
@@ -53,6 +54,10 @@ from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
 
 log = logging.getLogger("harmony_opt.plan")
+
+#: The vPP partitioned start (_every_boundary) packs at every layer boundary up to this many
+#: (resnet1026's 516: 250,000 tasks), at this many candidate ones beyond.
+FINE_CUTS = 641
 
 #: The vPP position model is only built up to this many placement Booleans: beyond, it costs
 #: more of the budget than CP-SAT's neighbourhood moves win over the local search.
@@ -87,6 +92,7 @@ class Budget:
     small factor."""
 
     PER_BOUND = 1.2e-3      # a configuration's cheap bound (config_bound)
+    PER_PATH_LAYER = 2.5e-4  # a vPP configuration's path bound (pipeline_path_bound), per layer
     PER_CONFIG = 1.5e-3     # building a configuration's candidate tasks: fixed part ...
     PER_ROW = 5e-7          # ... and per candidate task
     PER_NODE = 1.5e-5       # the DP, per layer boundary ...
@@ -416,6 +422,74 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     return ends, few
 
 
+def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
+                        stash_layers: np.ndarray | None = None, upto: float = math.inf, ratio: float = 1.03) -> float:
+    """A lower bound on the model's iteration time of every plan of a vPP configuration (seconds; 0
+    where stash variants are offered, as in ``config_bound``: a stashed pack's microbatch is not a
+    sum over its layers), tighter than ``config_bound`` where a pipeline has few
+    microbatches: there a plan's largest pack and its number of handoffs set the time.
+
+    In timing.py's recurrence, for every task k of the chain, the first microbatch runs through
+    the tasks before k (``S_j >= S_{j-1} + p_first_{j-1} + hop_j``), k runs all its microbatches,
+    and the last microbatch then runs through the tasks after it (``E_j >= E_{j-1} + hop_j +
+    p_last_j``): T >= sum_j min(p_first_j, p_last_j) + (load_k - min(p_first_k, p_last_k)) + every
+    hop + the last step. The first sum is one microbatch through every layer, the same for every
+    packing; the second grows with the largest pack, the hops with the number of packs. Per
+    threshold L of a geometric grid (``ratio``, up to where the bound passes ``upto``), the
+    packings whose largest pack (but the criterion pack, counted apart) is at most L have at
+    least the least hops of packings under L (shortest paths over the layer boundaries, every
+    boundary a candidate), and those above the previous threshold a largest pack above it
+    (resnet1026 D=64 vPP x4 u=16/16: 3.58 -> 3.7 s; the best plan found 3.75 s)."""
+    if cfg.mode != "vPP" or cfg.ranks < 2:
+        return 0.0
+    R = profile.num_layers
+    uf, ub = split_microbatches(batch, cfg.u_fwd), split_microbatches(batch, cfg.u_bwd)
+    ok = stashable_layers(profile, hw, cfg, uf, ub) if stash_layers is None else np.asarray(stash_layers, bool)
+    if stash and ok.any():
+        return 0.0
+    end_f = max_pack_end(profile.costs("FWD", cfg.u_fwd), cap)
+    end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
+    fits = np.flatnonzero(profile.costs("BWD", cfg.u_bwd).pack_memory(np.arange(R), np.full(R, R - 1)) <= cap)
+    if len(fits) == 0:
+        return math.inf
+
+    def split(phase, sizes):
+        """Per layer: one microbatch's compute (the lesser of the first and the last), and the rest."""
+        times = [profile.costs(phase, u).time for u in sizes]
+        one = np.minimum(times[0], times[-1])
+        return one, sum(times) - one
+    one_f, rest_f = split("FWD", uf)
+    one_b, rest_b = split("BWD", ub)
+    pre_f, pre_b = (np.concatenate([[0.0], np.cumsum(r)]) for r in (rest_f, rest_b))
+    _, bw_in, bw_out, _ = link_rates(hw, cfg)
+    hf, hc, hb = boundary_hops(profile, hw, cfg, uf, ub)
+    base = np.concatenate([[0.0], np.cumsum(one_f)])[fits] + one_b.sum() + hc[fits] + _last_step(profile, hw, bw_out)
+    crit = pre_b[R] - pre_b[fits]
+    zero = np.zeros(R)
+
+    def reach(end, pre, L):
+        """Per start a, the last layer a pack [a, e] may end at: it fits, and its rest is at most L."""
+        top = np.searchsorted(pre, pre[:-1] + L * (1 + 1e-12), side="right") - 2
+        return np.minimum(end, np.maximum(top, np.arange(R) - 1))
+
+    best = np.full(len(fits), math.inf)
+    prev, L = 0.0, float(max(rest_f[0], rest_b[0]))
+    hi = min(upto - float(base.min()), max(pre_f[-1], pre_b[-1]))     # above: every packing
+    while True:
+        last = L >= hi
+        if last:                    # every packing above the previous threshold
+            fwd = _least_packing(end_f, hf, zero, zero)
+            back = _least_packing(end_b, zero, hb, zero)
+        else:
+            fwd = _least_packing(reach(end_f, pre_f, L), hf, zero, zero)
+            back = _least_packing(reach(end_b, pre_b, L), zero, hb, zero)
+        best = np.minimum(best, np.maximum(prev, crit) + fwd[fits] + back[fits])
+        if last:
+            break
+        prev, L = L, L * ratio
+    return float(np.min(base + best))
+
+
 def _last_step(profile: Profile, hw: Hardware, bw_out: float) -> float:
     """At least what follows the last backward task's compute: layer 0's gradients leave and step
     (on the CPU, or its state too leaves after a GPU step, whichever is less)."""
@@ -501,6 +575,7 @@ class _Candidate:
     handoff: bool = False           # its plans keep gradients on the GPU (Plan.gpu_handoff)
     tight: bool = True              # ``bound`` already holds the DP's with the stash variants (_tighten)
     tight_floor: bool = True        # ``floor`` already holds the DP's on every variant (_tighten)
+    pathed: bool = False            # vPP: ``bound`` already holds pipeline_path_bound's (_tighten)
 
 
 @dataclasses.dataclass
@@ -660,12 +735,19 @@ def _first_solution(S: _Search, tasks: Tasks, hint):
 
 
 def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
-    """A chain configuration's bounds from the DP: with the stash variants, their memory coupling left
+    """A vPP configuration's bound from its serial paths (``pipeline_path_bound``). A chain configuration's bounds from the DP: with the stash variants, their memory coupling left
     out (dp.py), the DP's optimum bounds every plan of the model searched (``bound``); with gradients
     kept on the GPU too, whose every cost is at most the plain model's, every plan of every variant
     (``floor``, with ``floor=True``). Milliseconds per configuration; run where it can matter: the
     CP-SAT candidates (is the DP solution already optimal?) and the configuration holding the bound
     over all of them down."""
+    if c.cfg.ranks > 1:
+        if not c.pathed:
+            c.pathed = True
+            value = pipeline_path_bound(S.profile, S.hw, S.batch, c.cfg, S.cap, S.stash(c.cfg), upto=c.value)
+            S.budget.spend(Budget.PER_PATH_LAYER * S.profile.num_layers)
+            c.bound = c.floor = max(c.bound, min(value, c.value))
+        return
     for kept in [k for k, todo in ((False, not c.tight), (True, floor and not c.tight_floor)) if todo]:
         tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=S.stash(c.cfg),
                             cuts=c.tasks.cuts, gpu_handoff=kept)
@@ -682,10 +764,14 @@ def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
 
 
 def _local_search(S: _Search, found: list[_Candidate]) -> None:
-    """Local search on the three most promising vPP configurations (a chain's DP solution is optimal)."""
+    """Local search on the three most promising vPP configurations (a chain's DP solution is optimal),
+    and on the one of lowest bound if it is not among them: a first solution rates a configuration
+    of few microbatches far above what its packs can reach (resnet1026 D=64 vPP x4 u=16/16: first
+    4.0 s, fourth of the vPP configurations, 3.75 s after the search; its bound is the lowest)."""
     vpp = sorted((c for c in found if c.cfg.ranks > 1), key=lambda c: (c.value, str(c.cfg)))
     steps = 2000 if S.opts.time_limit >= 5 else 600
-    for k, c in enumerate(vpp[:3]):
+    lowest = min(vpp, key=lambda c: (c.bound, str(c.cfg)), default=None)
+    for k, c in enumerate(vpp[:3] + ([lowest] if lowest is not None and all(lowest is not c for c in vpp[:3]) else [])):
         if S.budget.left(0.6) <= 0:
             return
         value, seq, work = search.improve(c.tasks, c.seq, steps, seed=S.opts.seed + k)
@@ -698,21 +784,43 @@ def _local_search(S: _Search, found: list[_Candidate]) -> None:
         # such many-pack plans far slower than rated (resnet1026 D=64 vPP x4: 5.88 s, model 3.81 s)
         if S.opts.cost_model == "default":
             _from_partition(S, found, c, steps, seed=S.opts.seed + k)
-        S.say(f"local search {c.cfg}: model {c.value:.4f} s")
+        S.say(f"local search {c.cfg}: model {c.value:.4f} s (bound {c.bound:.4f})")
 
 
 def _from_partition(S: _Search, found: list[_Candidate], c: _Candidate, steps: int, seed: int) -> None:
-    """Local search from the best of the packings that minimise the largest pack (search.partitioned)."""
-    part, work = search.partitioned(c.tasks, S.profile, *search.partition_grid(c.tasks, c.seq))
+    """Local search from the best of the packings that minimise the largest pack (search.partitioned),
+    at every layer boundary: a model of more layers than candidate boundaries (tasks.candidate_cuts)
+    is otherwise packed in blocks, and with as few microbatches as GPUs a pipeline idles by most
+    of the difference between consecutive packs (resnet1026 D=64 vPP x4 u=16/16: 3.813 s at the
+    129 candidate boundaries, 3.746 s at all 516)."""
+    if S.budget.left(0.6) <= 0:
+        return
+    tasks, seq = _every_boundary(S, c)
+    part, work = search.partitioned(tasks, S.profile, *search.partition_grid(tasks, seq))
     S.budget.spend(Budget.PER_START * work)
     start = min(part, key=lambda o: o[0], default=(float("inf"), None))
     if start[0] >= c.value or S.budget.left(0.6) <= 0:
         return          # only where it starts ahead: the descent rarely overtakes a better start
-    value, seq, work = search.improve(c.tasks, start[1], steps, seed=seed)
+    value, seq, work = search.improve(tasks, start[1], steps, seed=seed)
     S.budget.spend(Budget.PER_STEP * steps + Budget.PER_TASK * work)
     if value < c.value:
         found.append(dataclasses.replace(c))
-        c.value, c.seq, c.how = value, seq, "search"
+        c.tasks, c.value, c.seq, c.how = tasks, value, seq, "search"
+
+
+def _every_boundary(S: _Search, c: _Candidate) -> tuple[Tasks, list]:
+    """``c``'s tasks with every layer boundary a candidate and every pack that fits (not only the
+    longest per start, tasks.MAX_ARCS_PER_START), and ``c``'s sequence in them."""
+    R = S.profile.num_layers
+    if len(c.tasks.cuts) == R + 1:      # all of them already, and at most R packs per start
+        return c.tasks, c.seq
+    # beyond FINE_CUTS boundaries, that many (the table grows with their square)
+    cuts = candidate_cuts(S.profile, c.cfg.u_bwd, max_cuts=FINE_CUTS, keep=c.tasks.cuts)
+    tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options,
+                        stash=bool((~c.tasks.table.recompute).any()), cuts=cuts, per_start=R)
+    S.budget.spend(Budget.PER_CONFIG + 2 * Budget.PER_ROW * len(tasks.table))     # and its index
+    idx = tasks.table.index()
+    return tasks, [idx[c.tasks.table.key(k)] for k in c.seq]
 
 
 def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
@@ -815,12 +923,14 @@ def _with_handoff(S: _Search, c: _Candidate) -> None:
         c.proof = "dp"
 
 
-def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float) -> tuple[Plan, float]:
+def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_Candidate]) -> tuple[Plan, float]:
     """Step 5: first-improvement descent judged by the simulator (the model is a few % off in
     places): move one pack boundary by one candidate boundary, or toggle one pack's optimizer
     placement (search.neighbours, a fixed order); stop at a local optimum or when the budget share
     is spent. Updates ``c``."""
-    reserve = S.timeline_reserve(plan_)
+    # kept: the timeline model's share, and the vPP path bounds the report may need (_tighten)
+    loose = sum(1 for f in found if f.cfg.ranks > 1 and not f.pathed and f.bound < c.value)
+    reserve = S.timeline_reserve(plan_) + Budget.PER_PATH_LAYER * S.profile.num_layers * min(loose, 4)
     improved = True
     while improved:
         improved = False
@@ -866,13 +976,15 @@ def _space_bound(S: _Search, found: list[_Candidate], open_bound: float, most: i
     """The bound over the searched space: every evaluated configuration's own bound and the cheap
     bound of those not reached. A configuration whose plans may keep gradients on the GPU was
     searched on the model without, so for it only the bound of every variant of the model holds.
-    While the lowest is a chain's that ``_tighten`` could raise, it does (at most ``most`` times)."""
+    While the lowest is one that ``_tighten`` could raise, it does (at most ``most`` times)."""
     on_floor = {id(c): not c.handoff and S.handoff(c.cfg) for c in found}
 
     def held(c):
         return c.floor if on_floor[id(c)] else c.bound
 
     def loose(c):
+        if c.cfg.ranks > 1:
+            return not c.pathed
         return not c.tight_floor if on_floor[id(c)] else not c.tight
     for _ in range(most):
         low = min(found, key=lambda c: (held(c), str(c.cfg)), default=None)
@@ -939,9 +1051,11 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     _cp_sat(S, found)                                                                     # 3
     best_plan, best_t, best_c = _judge_candidates(S, found, incumbent)                    # 4
     if best_c is not None:
-        best_plan, best_t = _polish(S, best_c, best_plan, best_t)                          # 5
+        best_plan, best_t = _polish(S, best_c, best_plan, best_t, found)                   # 5
         if best_c.handoff:
             _with_handoff(S, best_c)
+    if best_c is not None and best_c.cfg.ranks > 1:
+        _tighten(S, best_c)             # the chosen configuration's proof, also where it is not the lowest
     space_bound = _space_bound(S, found, open_bound) if opts.cost_model == "default" else None
     timeline = _timeline(S, best_plan)                                                     # 6
 

@@ -278,13 +278,15 @@ def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int
 
 def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, *,
                 gpu_opt: bool = True, stash: bool = True, cuts: np.ndarray | None = None,
-                gpu_handoff: bool = False, stash_layers: np.ndarray | None = None) -> Tasks:
+                gpu_handoff: bool = False, stash_layers: np.ndarray | None = None,
+                per_start: int = MAX_ARCS_PER_START) -> Tasks:
     """Every candidate task of ``cfg`` with its costs (see the module docstring): backward packs
     with the optimizer step on the GPU where ``gpu_opt``, with stashed activations where ``stash``
     (and the model has at most MAX_LAYERS_WITH_STASH layers), for packs whose every layer is in
     ``stash_layers`` (a mask, default ``stashable_layers``); with ``gpu_handoff`` (Plan.gpu_handoff)
     a chain's gradient handoffs between single-microbatch backward tasks take no time and no link
-    (memory rules unchanged: a task's working set already holds the one tensor kept)."""
+    (memory rules unchanged: a task's working set already holds the one tensor kept); at most
+    ``per_start`` packs per start boundary, the longest."""
     R = profile.num_layers
     cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
     share = batch if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)[0]
@@ -308,7 +310,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
 
     parts = []
     # ---- forward packs over 0 .. R-2 (the criterion pack holds R-1)
-    fs, fe = enumerate_packs(max_pack_end(cf, cap), 0, R - 2, cuts)
+    fs, fe = enumerate_packs(max_pack_end(cf, cap), 0, R - 2, cuts, per_start)
     wb = profile.param_bytes(fs, fe) + profile.buffer_bytes(fs, fe)
     hf, hc, hb = boundary_hops(profile, hw, cfg, uf_list, ub_list, pin_b)
     y_last = cf_last.input[fe + 1]
@@ -386,7 +388,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     if stash_ok:
         ok = stashable_layers(profile, hw, cfg, uf_list, ub_list) if stash_layers is None else stash_layers
         not_ok = np.concatenate([[0], np.cumsum(~np.asarray(ok, bool))])
-    bs, be = enumerate_packs(max_pack_end(cb, cap), 0, R - 2, cuts)
+    bs, be = enumerate_packs(max_pack_end(cb, cap), 0, R - 2, cuts, per_start)
     cs = np.array([s for s in cuts if s <= R - 1 and cb.pack_memory(int(s), R - 1) <= cap], int)
     ce = np.full(len(cs), R - 1)
     # a GPU optimizer step in vDP needs the all-reduce over a GPU link (Plan.check_against)
