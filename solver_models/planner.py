@@ -449,7 +449,7 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
         return 0.0
     end_f = max_pack_end(profile.costs("FWD", cfg.u_fwd), cap)
     end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
-    fits = np.flatnonzero(profile.costs("BWD", cfg.u_bwd).pack_memory(np.arange(R), np.full(R, R - 1)) <= cap)
+    fits = np.flatnonzero(end_b >= R - 1)          # the criterion starts: [s, R-1] fits
     if len(fits) == 0:
         return math.inf
 
@@ -735,7 +735,8 @@ def _first_solution(S: _Search, tasks: Tasks, hint):
 
 
 def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
-    """A vPP configuration's bound from its serial paths (``pipeline_path_bound``). A chain configuration's bounds from the DP: with the stash variants, their memory coupling left
+    """A vPP configuration's bound from its serial paths (``pipeline_path_bound``). A chain
+    configuration's bounds from the DP: with the stash variants, their memory coupling left
     out (dp.py), the DP's optimum bounds every plan of the model searched (``bound``); with gradients
     kept on the GPU too, whose every cost is at most the plain model's, every plan of every variant
     (``floor``, with ``floor=True``). Milliseconds per configuration; run where it can matter: the
@@ -746,6 +747,7 @@ def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
             c.pathed = True
             value = pipeline_path_bound(S.profile, S.hw, S.batch, c.cfg, S.cap, S.stash(c.cfg), upto=c.value)
             S.budget.spend(Budget.PER_PATH_LAYER * S.profile.num_layers)
+            # at most the value in ticks (timing.py rounds each task's times to 100 us)
             c.bound = c.floor = max(c.bound, min(value, c.value))
         return
     for kept in [k for k, todo in ((False, not c.tight), (True, floor and not c.tight_floor)) if todo]:
@@ -771,7 +773,8 @@ def _local_search(S: _Search, found: list[_Candidate]) -> None:
     vpp = sorted((c for c in found if c.cfg.ranks > 1), key=lambda c: (c.value, str(c.cfg)))
     steps = 2000 if S.opts.time_limit >= 5 else 600
     lowest = min(vpp, key=lambda c: (c.bound, str(c.cfg)), default=None)
-    for k, c in enumerate(vpp[:3] + ([lowest] if lowest is not None and all(lowest is not c for c in vpp[:3]) else [])):
+    extra = [lowest] if lowest is not None and all(lowest is not c for c in vpp[:3]) else []
+    for k, c in enumerate(vpp[:3] + extra):
         if S.budget.left(0.6) <= 0:
             return
         value, seq, work = search.improve(c.tasks, c.seq, steps, seed=S.opts.seed + k)
@@ -819,8 +822,13 @@ def _every_boundary(S: _Search, c: _Candidate) -> tuple[Tasks, list]:
     tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options,
                         stash=bool((~c.tasks.table.recompute).any()), cuts=cuts, per_start=R)
     S.budget.spend(Budget.PER_CONFIG + 2 * Budget.PER_ROW * len(tasks.table))     # and its index
+    return tasks, _carried(c, tasks)
+
+
+def _carried(c: _Candidate, tasks: Tasks) -> list:
+    """``c``'s sequence as rows of ``tasks``, another task table of its configuration."""
     idx = tasks.table.index()
-    return tasks, [idx[c.tasks.table.key(k)] for k in c.seq]
+    return [idx[c.tasks.table.key(k)] for k in c.seq]
 
 
 def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
@@ -841,8 +849,7 @@ def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
         tasks, seq = c.tasks, c.seq
         if S.stash(c.cfg):
             tasks = S.tasks(c.cfg, stash=True, cuts=c.tasks.cuts)
-            idx = tasks.table.index()
-            seq = [idx[c.tasks.table.key(k)] for k in c.seq]
+            seq = _carried(c, tasks)
         lay, size = None, len(tasks.table)
         if c.cfg.ranks > 1:
             nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
@@ -914,8 +921,7 @@ def _with_handoff(S: _Search, c: _Candidate) -> None:
     stash = bool((~c.tasks.table.recompute).any())
     tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=stash, cuts=c.tasks.cuts,
                         gpu_handoff=True)
-    idx = tasks.table.index()
-    seq = [idx[c.tasks.table.key(k)] for k in c.seq]
+    seq = _carried(c, tasks)
     _tighten(S, c, floor=True)
     c.tasks, c.seq, c.value, c.bound, c.proof, c.solve = tasks, seq, evaluate(tasks, seq), c.floor, None, None
     c.how = f"{c.how}, gradients kept on the GPU"
