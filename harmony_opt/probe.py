@@ -55,7 +55,7 @@ def probe_hardware(device: str = "cuda", sizes: tuple[int, ...] = DEFAULT_SIZES,
     sizes = tuple(int(s) for s in sizes)
     host_total = _host_memory()
     host_copy = _bandwidth(_cpu_copy, max(sizes), repeats)   # smaller copies stay in CPU caches
-    cpu_adam = _optimizer_bandwidth(torch.device("cpu"), _OPTIMIZER_PARAMS // 16)
+    cpu_adam = _optimizer_bandwidth(torch.device("cpu"), _OPTIMIZER_PARAMS)   # smaller: thread wake-ups dominate
     when = datetime.date.today().isoformat()
     if dev.type == "cpu":
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -170,16 +170,25 @@ def _host_memory() -> int:
 
 
 def _optimizer_bandwidth(dev: torch.device, numel: int, steps: int = 3) -> float:
-    """Bytes of W + dW + Adam state (4 x the weights) an Adam step processes per second on ``dev``."""
+    """Bytes of W + dW + Adam state (4 x the weights) an Adam step processes per second on ``dev``,
+    built and (on the CPU) threaded as the runtime's optimizer of one rank on this machine."""
+    from runtime.optim import host_threads, make_factory
+
     w = torch.zeros(numel, device=dev, requires_grad=True)
     w.grad = torch.full_like(w, 1e-3)
-    opt = torch.optim.Adam([w], lr=1e-4)
-    opt.step()   # allocates the state
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    _sync(dev)
+    opt = make_factory("adam", 1e-4)([w])
+    before = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(host_threads(1, "cuda" if torch.cuda.is_available() else "cpu", before))
+    try:
+        opt.step()   # allocates the state
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        _sync(dev)
+    finally:
+        torch.set_num_threads(before)
     return 4 * w.numel() * w.element_size() * steps / (time.perf_counter() - t0)
 
 

@@ -80,6 +80,9 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
     if model.num_layers < 2:
         raise UsageError(f"model {model.name} has {model.num_layers} layer(s); it needs at least a body and a loss")
 
+    from runtime.optim import host_threads
+
+    threads = host_threads(1, dev.type, torch.get_num_threads())   # as the runtime's optimizer steps on one rank
     gen = torch.Generator().manual_seed(seed)
     batches = {u: model.make_batch(u, gen) for u in sizes}
     acts = {u: x for u, (x, _) in batches.items()}
@@ -91,7 +94,7 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
         for l, layer in enumerate(model.layers):
             bar.set_description_str(f"profiling layer {l + 1} of {R}")
             log.debug("profiling layer %d of %d", l + 1, R)
-            static_rows.append(_static_row(l, layer, optimizer, repeats))
+            static_rows.append(_static_row(l, layer, optimizer, repeats, threads))
             with _moved_to(layer, dev) as base:
                 for u in list(sizes):
                     target = batches[u][1] if l == R - 1 else None
@@ -112,7 +115,7 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
                     rows.extend(_rows(l, u, m))
                     acts[u] = out
             bar.update(1)
-    meta = _meta(model, dev, optimizer, repeats, warmup, skipped)
+    meta = _meta(model, dev, optimizer, repeats, warmup, skipped, threads)
     micro = pd.DataFrame(rows).sort_values(["phase", "microbatch", "layer"], ascending=[False, True, True])
     return Profile(model.name, pd.DataFrame(static_rows), micro.reset_index(drop=True), meta)
 
@@ -301,31 +304,39 @@ def _device_of(layer: nn.Module) -> torch.device:
 
 # -- per-layer (size-independent) quantities ---------------------------------------------------
 
-def _static_row(l: int, layer: nn.Module, optimizer: str, repeats: int) -> dict:
+def _static_row(l: int, layer: nn.Module, optimizer: str, repeats: int, threads: int | None = None) -> dict:
     trainable = [p for p in layer.parameters() if p.requires_grad]
     return {"layer": l, "param_bytes": _param_bytes(layer), "buffer_bytes": _buffer_bytes(layer),
             "optimizer_state_bytes": OPTIMIZER_STATE_FACTOR[optimizer] * sum(tensor_bytes(p) for p in trainable),
-            "cpu_update_s": cpu_update_time(trainable, optimizer, repeats)}
+            "cpu_update_s": cpu_update_time(trainable, optimizer, repeats, threads)}
 
 
-def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 3) -> float:
+def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 3, threads: int | None = None) -> float:
     """Mean seconds of one optimizer step over copies of ``params`` on the CPU (0 without params).
 
     The first step (which allocates the optimizer state) is not timed. Adam for
-    "adam", SGD with momentum 0.9 for "sgd", PyTorch's default implementations.
+    "adam", SGD with momentum 0.9 for "sgd", built as the runtime builds them
+    (``runtime.optim.make_factory``: fused where torch has it), with ``threads``
+    intra-op threads (default: as set).
     """
+    from runtime.optim import make_factory
+
     if not params:
         return 0.0
     copies = [p.detach().to("cpu", copy=True).requires_grad_() for p in params]
     for c in copies:
         c.grad = torch.full_like(c, 1e-3)
-    opt = (torch.optim.Adam(copies, lr=1e-4) if optimizer == "adam"
-           else torch.optim.SGD(copies, lr=1e-3, momentum=0.9))
-    opt.step()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
+    opt = (make_factory("adam", 1e-4) if optimizer == "adam" else make_factory("sgd", 1e-3, momentum=0.9))(copies)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
         opt.step()
-    return (time.perf_counter() - t0) / repeats
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            opt.step()
+        return (time.perf_counter() - t0) / repeats
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -348,7 +359,9 @@ def _cpu_model() -> str | None:
 
 
 def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, warmup: int,
-          skipped: list[str]) -> dict:
+          skipped: list[str], threads: int) -> dict:
+    from runtime.optim import fused_on_cpu
+
     from . import __version__
 
     cpu = dev.type == "cpu"
@@ -361,6 +374,7 @@ def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, 
         "framework": f"PyTorch {torch.__version__}",
         "sequence_length": model.meta.get("sequence_length"),
         "optimizer": optimizer,
+        "cpu_update": f"{'fused' if fused_on_cpu() else 'per-parameter'} torch.optim step, {threads} threads",
         "timing": "wall clock (time.perf_counter)" if cpu else "CUDA events",
         "peak_memory": ("analytic estimate: FWD = params + buffers + input + output; BWD = FWD + grads + saved"
                         if cpu else "torch.cuda.max_memory_allocated, layer alone"),

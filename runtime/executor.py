@@ -507,7 +507,7 @@ class Executor:
             with torch.no_grad():
                 return {e.allocs[0]: self._chain(a, b, x, ins)}
         weights, names = self._leaves(a, b, ins)
-        hooks = Offload({w.untyped_storage().data_ptr(): n for w, n in zip(weights, names)})
+        hooks = Offload({w.untyped_storage().data_ptr(): n for w, n in zip(weights, names)}, x.device)
         leaf = self._input_leaf(x, a, copy=True)
         with torch.enable_grad(), saved_tensors_hooks(hooks.pack, hooks.unpack):
             y = self._chain(a, b, leaf, ins)

@@ -11,7 +11,9 @@ back in (swap-in sA). In both cases the graph keeps only what the backward needs
 * (offloaded graphs) the host copies of saved activations. Saved *weights* are not
   copied: the hook records which parameter and view they are, and the unpack hook
   rebuilds the view from the weights swapped in for the backward, so a stashed pack
-  holds no copy of its weights.
+  holds no copy of its weights. Saved tensors that are not on the compute device stay
+  as they are: attention's dropout seed and offset live on the CPU, and the backward
+  reads them there (moved to the GPU, they crashed the process).
 
 The leaves of an offloaded graph are freed with ``untyped_storage().resize_(0)`` (the
 way FSDP frees parameters): autograd needs their shapes, not their data, to return
@@ -91,12 +93,15 @@ class PackGraph:
 class Offload:
     """``saved_tensors_hooks`` pair that moves saved activations to host and references weights."""
 
-    def __init__(self, weights: dict[int, tuple[int, str]]):
+    def __init__(self, weights: dict[int, tuple[int, str]], device: torch.device):
         self.weights = weights          # storage data_ptr -> (layer, name)
+        self.device = device            # where the pack computes: only what lives there moves out
         self.saved: list[_Saved] = []
         self.graph: PackGraph | None = None
 
     def pack(self, t: torch.Tensor):
+        if t.device != self.device:
+            return t
         ref = self.weights.get(t.untyped_storage().data_ptr())
         if ref is not None:
             return _ParamView(ref[0], ref[1], t)
@@ -105,6 +110,8 @@ class Offload:
         return s
 
     def unpack(self, h):
+        if isinstance(h, torch.Tensor):
+            return h
         if isinstance(h, _ParamView):
             return self.graph.weights(h.layer, h.name).as_strided(h.size, h.stride, h.offset)
         if h.device is None:

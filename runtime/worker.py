@@ -32,7 +32,7 @@ from .buffers import pin_in_place
 from .checkpoint import save_checkpoint
 from .comm import Comm
 from .executor import Executor
-from .optim import OptimizerFactory, PackOptimizers
+from .optim import OptimizerFactory, PackOptimizers, host_threads
 
 
 @dataclasses.dataclass
@@ -139,7 +139,7 @@ def _rank_main(rank: int, world: int, port: int, job: Job, results) -> None:
 
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(host_threads(world, job.device))
         backend = "nccl" if job.device == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -193,7 +193,12 @@ def run_job(job: Job) -> list[RankResult]:
     """Run ``job`` on every rank of its Program; results ordered by rank."""
     world = job.program.gpus
     if world == 1:
-        return [run_rank(0, job, None)]
+        before = torch.get_num_threads()
+        torch.set_num_threads(host_threads(1, job.device, before))
+        try:
+            return [run_rank(0, job, None)]
+        finally:
+            torch.set_num_threads(before)
     ctx = _context(layer_modules(job.layers))
     results = ctx.Queue()
     port = _free_port()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 
 import pytest
@@ -186,6 +187,44 @@ def test_executor_on_cuda_matches_plain_pytorch(name, monkeypatch):
     assert {"compute", "swap_in", "swap_out"} <= set(ev.stream) and (ev.end >= ev.start).all()
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_named_adam_runs_fused_and_resumes_like_plain_pytorch(device, tmp_path, monkeypatch):
+    """``optimizer="adam"`` steps with torch's fused kernels (the host step on the CPU, the device
+    step of a GPU-optimizer pack on the device), and a run resumed from a checkpoint, whose step
+    counts load on the host, ends where plain PyTorch's per-parameter Adam does."""
+    from runtime.optim import fused_on_cpu, make_factory
+
+    if device == "cuda":
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert make_factory("adam", 1e-3).keywords.get("fused") is (True if fused_on_cpu() else None)
+    p = CASES["mlp-vpp-mixed-gpu-optimizer-adam"][1]
+    assert any(o.optimizer == "gpu" for o in p.options) and any(o.optimizer == "cpu" for o in p.options)
+    want = reference(mlp(), p.batch, functools.partial(torch.optim.Adam, lr=1e-3, foreach=False))
+    train(mlp(), p, steps=STEPS // 2, optimizer="adam", lr=1e-3, checkpoint_dir=tmp_path, device=device,
+          progress=False)
+    rest = train(mlp(seed=7), p, steps=STEPS, optimizer="adam", lr=1e-3, checkpoint_dir=tmp_path, resume=True,
+                 device=device, progress=False)
+    assert rest.start_step == STEPS // 2
+    assert max(layer_errors(rest.weights, want)) < 1e-5
+
+
+def test_a_rank_on_a_gpu_leaves_two_cores_to_issue_work_and_copies():
+    from runtime.optim import host_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert host_threads(1, "cpu") == cores and host_threads(1, "cuda") == max(1, cores - 2)
+    assert host_threads(1, "cuda", current=1) == 1                      # never more than the caller set
+    assert host_threads(cores + 1, "cuda") == 1
+    before = torch.get_num_threads()
+    train(mlp(), CASES["mlp-vpp-recompute-sgd"][1], steps=1, progress=False)
+    assert torch.get_num_threads() == before                            # the caller's setting is put back
+
+
 def test_kept_graph_is_used_when_possible():
     p = CASES["mlp-vpp-ufwd4-ubwd2-stash-adam"][1]
     program = compile_plan(p)
@@ -203,6 +242,38 @@ def test_dropout_masks_replay_on_recompute():
     assert max(layer_errors(runs[0], runs[1])) < 1e-6
     plain = reference(mlp(dropout=0.3), 8, SGD, steps=3)
     assert max(layer_errors(runs[0], plain)) > 1e-3        # other masks than plain PyTorch: dropout is on
+
+
+def test_offload_moves_only_what_lives_on_the_compute_device():
+    """Saved tensors off the compute device stay where they are (attention's dropout seed and
+    offset on the CPU, read there by the backward); the others get host copies."""
+    from runtime.graph import Offload
+
+    seed = torch.tensor([7, 0])
+    kept = Offload({}, torch.device("cuda"))       # nothing moves: runs without CUDA
+    assert kept.pack(seed) is seed and kept.unpack(seed) is seed and kept.saved == []
+    moved = Offload({}, torch.device("cpu"))
+    h = moved.pack(seed)
+    assert h is not seed and len(moved.saved) == 1 and torch.equal(h.host, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kept_attention_graph_with_dropout_trains_on_cuda(monkeypatch):
+    """A stashed GPT-2 pack with attention dropout on the GPU: its saved tensors include the
+    dropout RNG's seed and offset on the CPU, which moved to the GPU crashed the process
+    (segfault in the attention backward). Kept graph and recompute draw the same masks."""
+    from harmony_opt.models import build_model
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    fwd, bwd = [(0, 2), (3, 4)], [(0, 2), (3, 4), (5, 7)]
+    runs = []
+    for options in ((), (NO_RC, NO_RC, PackOptions())):
+        res = train(build_model("gpt2-tiny", dropout=0.1), plan("vPP", 1, 4, 2, 2, fwd, bwd, 8, options), steps=3,
+                    optimizer=SGD, progress=False, device="cuda")
+        runs.append(res)
+    assert all(map(math.isfinite, runs[1].losses))
+    assert max(layer_errors(runs[0].weights, runs[1].weights)) < 1e-4
 
 
 def test_batchnorm_statistics_are_updated_once_per_forward():

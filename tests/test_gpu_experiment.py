@@ -32,7 +32,7 @@ def test_quick_experiment_writes_every_table_and_the_figure(tmp_path):
     assert (res / "gpu_busy_by_stream.png").stat().st_size > 10_000
     assert "CUDA" in gpt.loc["deepspeed", "status"] or "DeepSpeed" in gpt.loc["deepspeed", "status"]
     corr = pd.read_csv(res / "gpu_correctness.csv")
-    assert len(corr) == 5 and (corr.max_rel_error < 1e-4).all() and (corr.moved_by_training > 1e-3).all()
+    assert len(corr) == 6 and (corr.max_rel_error < 1e-4).all() and (corr.moved_by_training > 1e-3).all()
     assert (res / "gpu_samples_per_s.png").stat().st_size > 10_000
     # a second call resumes: nothing is measured again; one stage alone runs alone
     before = (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.run.json").stat().st_mtime_ns

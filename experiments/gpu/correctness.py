@@ -31,6 +31,7 @@ def _plan(mode, batch, uf, ub, fwd, bwd, R, options=(), gpu_handoff=False) -> Pl
 def cases(quick: bool):
     """(name, model name, overrides, plan, optimizer factory); packs cut at fixed layers, the last to the loss."""
     from harmony_opt.models import layer_count
+    from runtime.optim import make_factory
 
     gpt = ("gpt2-tiny", {}) if quick else ("gpt2-medium", {"n_layer": 4, "sequence_length": 128, "dropout": 0.0})
     adam = functools.partial(torch.optim.Adam, lr=1e-4)
@@ -47,6 +48,9 @@ def cases(quick: bool):
          _plan("vDP", 4, 2, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, R - 1)], R, (NO_RC, GPU_OPT, PackOptions()),
                gpu_handoff=True),
          adam),
+        ("gpt2 vPP CPU and GPU steps, Adam by name (fused)", *gpt,
+         _plan("vPP", 8, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, R - 1)], R, (NO_RC, GPU_OPT, PackOptions())),
+         make_factory("adam", 1e-4)),
         ("vgg-tiny vPP, SGD", "vgg-tiny", {},
          _plan("vPP", 8, 4, 4, [(0, 3), (4, 7)], [(0, 3), (4, 7), (8, Rv - 1)], Rv, (PackOptions(), NO_RC, GPU_OPT)),
          sgd),
