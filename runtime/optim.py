@@ -13,9 +13,9 @@ Named optimizers run fused (one kernel per step) where this torch has fused CPU 
 (2.4 on), and a rank on a GPU steps with two cores fewer than its share (``host_threads``).
 Measured on the H100 machine's 16 cores, an Adam step over one GPT-2 XL block (30.7 M
 parameters; benchmarks/bench_cpu_step.py, results/cpu_step.md): with 16 threads and the
-per-parameter loop, 0.029 s alone but 0.60 s beside host<->GPU copies and 0.68 s beside
-copies and a thread issuing kernels (the step's OpenMP team spins against them); with 14
-threads 0.026 / 0.035 / 0.031 s; fused with 14 threads 0.006 / 0.009 / 0.009 s.
+per-parameter loop, 0.033 s alone, 0.12 s beside host<->GPU copies and 0.44 s beside copies
+and a thread issuing kernels (the step's OpenMP team spins against them; 0.60 s beside the
+copies in an earlier run); fused with 14 threads 0.007 / 0.011 / 0.009 s.
 """
 from __future__ import annotations
 
