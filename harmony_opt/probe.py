@@ -172,23 +172,20 @@ def _host_memory() -> int:
 def _optimizer_bandwidth(dev: torch.device, numel: int, steps: int = 3) -> float:
     """Bytes of W + dW + Adam state (4 x the weights) an Adam step processes per second on ``dev``,
     built and (on the CPU) threaded as the runtime's optimizer of one rank on this machine."""
-    from runtime.optim import host_threads, make_factory
+    from runtime.optim import host_threads, intra_op_threads, make_factory
 
     w = torch.zeros(numel, device=dev, requires_grad=True)
     w.grad = torch.full_like(w, 1e-3)
     opt = make_factory("adam", 1e-4)([w])
-    before = torch.get_num_threads()
-    if dev.type == "cpu":
-        torch.set_num_threads(host_threads(1, "cuda" if torch.cuda.is_available() else "cpu", before))
-    try:
+    threads = (host_threads(1, "cuda" if torch.cuda.is_available() else "cpu", torch.get_num_threads())
+               if dev.type == "cpu" else None)
+    with intra_op_threads(threads):
         opt.step()   # allocates the state
         _sync(dev)
         t0 = time.perf_counter()
         for _ in range(steps):
             opt.step()
         _sync(dev)
-    finally:
-        torch.set_num_threads(before)
     return 4 * w.numel() * w.element_size() * steps / (time.perf_counter() - t0)
 
 

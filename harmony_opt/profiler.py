@@ -319,7 +319,7 @@ def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 3
     (``runtime.optim.make_factory``: fused where torch has it), with ``threads``
     intra-op threads (default: as set).
     """
-    from runtime.optim import make_factory
+    from runtime.optim import intra_op_threads, make_factory
 
     if not params:
         return 0.0
@@ -327,16 +327,12 @@ def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 3
     for c in copies:
         c.grad = torch.full_like(c, 1e-3)
     opt = (make_factory("adam", 1e-4) if optimizer == "adam" else make_factory("sgd", 1e-3, momentum=0.9))(copies)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
+    with intra_op_threads(threads):
         opt.step()
         t0 = time.perf_counter()
         for _ in range(repeats):
             opt.step()
         return (time.perf_counter() - t0) / repeats
-    finally:
-        torch.set_num_threads(before)
 
 
 # -- reporting ---------------------------------------------------------------------------------

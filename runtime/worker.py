@@ -32,7 +32,7 @@ from .buffers import pin_in_place
 from .checkpoint import save_checkpoint
 from .comm import Comm
 from .executor import Executor
-from .optim import OptimizerFactory, PackOptimizers, host_threads
+from .optim import OptimizerFactory, PackOptimizers, host_threads, intra_op_threads
 
 
 @dataclasses.dataclass
@@ -193,12 +193,8 @@ def run_job(job: Job) -> list[RankResult]:
     """Run ``job`` on every rank of its Program; results ordered by rank."""
     world = job.program.gpus
     if world == 1:
-        before = torch.get_num_threads()
-        torch.set_num_threads(host_threads(1, job.device, before))
-        try:
+        with intra_op_threads(host_threads(1, job.device, torch.get_num_threads())):
             return [run_rank(0, job, None)]
-        finally:
-            torch.set_num_threads(before)
     ctx = _context(layer_modules(job.layers))
     results = ctx.Queue()
     port = _free_port()
