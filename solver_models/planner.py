@@ -439,7 +439,9 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     packings whose largest pack (but the criterion pack, counted apart) is at most L have at
     least the least hops of packings under L (shortest paths over the layer boundaries, every
     boundary a candidate), and those above the previous threshold a largest pack above it
-    (resnet1026 D=64 vPP x4 u=16/16: 3.58 -> 3.7 s; the best plan found 3.75 s)."""
+    (resnet1026 D=64 vPP x4 u=16/16: 3.58 -> 3.7 s; the best plan found 3.75 s). Per criterion
+    start, the larger of that and each GPU's path through its whole forward work
+    (``_per_gpu_paths``)."""
     if cfg.mode != "vPP" or cfg.ranks < 2:
         return 0.0
     R = profile.num_layers
@@ -467,11 +469,6 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     crit = pre_b[R] - pre_b[fits]
     zero = np.zeros(R)
 
-    def reach(end, pre, L):
-        """Per start a, the last layer a pack [a, e] may end at: it fits, and its rest is at most L."""
-        top = np.searchsorted(pre, pre[:-1] + L * (1 + 1e-12), side="right") - 2
-        return np.minimum(end, np.maximum(top, np.arange(R) - 1))
-
     best = np.full(len(fits), math.inf)
     prev, L = 0.0, float(max(rest_f[0], rest_b[0]))
     hi = min(upto - float(base.min()), max(pre_f[-1], pre_b[-1]))     # above: every packing
@@ -481,13 +478,118 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
             fwd = _least_packing(end_f, hf, zero, zero)
             back = _least_packing(end_b, zero, hb, zero)
         else:
-            fwd = _least_packing(reach(end_f, pre_f, L), hf, zero, zero)
-            back = _least_packing(reach(end_b, pre_b, L), zero, hb, zero)
+            fwd = _least_packing(_reach(end_f, pre_f, L), hf, zero, zero)
+            back = _least_packing(_reach(end_b, pre_b, L), zero, hb, zero)
         best = np.minimum(best, np.maximum(prev, crit) + fwd[fits] + back[fits])
         if last:
             break
         prev, L = L, L * ratio
-    return float(np.min(base + best))
+    path = base + best
+    per_gpu = _per_gpu_paths(profile, cfg, uf, end_b, fits, one_b, rest_b, hb, _last_step(profile, hw, bw_out),
+                             upto, path)
+    return float(np.min(np.maximum(path, per_gpu)))
+
+
+def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarray, fits: np.ndarray,
+                   one: np.ndarray, rest: np.ndarray, hb: np.ndarray, last: float, upto: float,
+                   path: np.ndarray, ratio: float = 1.03, most: int = 40) -> np.ndarray:
+    """vPP, per criterion start s in ``fits``: a bound on the plans whose backward (the criterion
+    pack included) runs in at least N tasks, 0 where fewer can do it. Where a pipeline has more
+    forward microbatches than GPUs the forward keeps every GPU busy, and one microbatch's trip
+    through it (``pipeline_path_bound``) undercounts it; here each GPU's forward work counts whole
+    (resnet1026 D=64 vPP x4 u=13/16: 3.64 -> 3.69 s; its best plan found 3.83 s).
+
+    In timing.py's recurrence GPU g runs its forward tasks before its first backward task, at
+    position f_g (``S_j >= E_{j-N} >= S_{j-N} + load_{j-N}``), so ``S_{f_g} >= F_g``, its forward
+    work; from there the first microbatch passes every backward task after f_g (``S_j >= S_{j-1} +
+    p_first_{j-1} + hop_j``) up to a task k, which runs all its microbatches, and the last
+    microbatch passes the rest (``E_j >= E_{j-1} + hop_j + p_last_j``), then the last step. So
+    ``T >= F_g + sum_{j >= f_g} (one_j + hop_{j+1}) + rest_k + last`` for every k >= f_g (one: a
+    microbatch's compute, the lesser of the first and the last; rest: the other microbatches).
+    With N or more backward tasks f_g takes the positions c .. c + N - 1 after the criterion
+    pack's c, one per GPU; averaged over the GPUs, sum_g F_g is the forward compute of the layers
+    before s, and the task at position c + p counts its one with weight min(p + 1, N) / N, the
+    handoff into it min(p, N) / N, and its rest min(p + 1, N) / N, for the largest such.
+
+    The least over packings: the packings whose largest weighted rest lies in a band (P, L] take
+    at least P plus the least of the rest with every weighted rest at most L: a shortest path over
+    the layer boundaries for the tasks at positions N - 1 and on (weight 1), then the N - 2 tasks
+    before them, each a window minimum over where it may start. Any partition into bands gives a
+    valid bound, and splitting a band only raises it: bands double from the largest layer's rest
+    up to where every plan is above ``upto``, and the one binding the bound (beside ``path``, the
+    other bound per s) is halved geometrically, at most ``most`` times, until it is within
+    ``ratio``."""
+    n, R = cfg.ranks, profile.num_layers
+    pre_one, pre_rest = (np.concatenate([[0.0], np.cumsum(r)]) for r in (one, rest))
+    forward = sum(k * profile.costs("FWD", u).pack_time(0, fits - 1) for u, k in collections.Counter(uf).items())
+    crit_rest = (pre_rest[R] - pre_rest[fits]) / n
+    base = forward / n + (pre_one[R] - pre_one[fits]) / n + last
+    bounds = np.arange(R + 1)
+    hop = np.concatenate([hb, [0.0]])           # per boundary: the handoff into the pack ending below it
+
+    def least(L):
+        """Per s, the least of the weighted ones and handoffs over the packings whose weighted rests
+        are at most L."""
+        # positions N - 1 on: packings of [0, x - 1] into at least one pack, the top one's handoff
+        # counting (N - 1) / N
+        v = np.concatenate([_least_packing(_reach(end_b, pre_rest, L), -pre_one[:R], pre_one[:R] + hb, np.zeros(R)),
+                            [np.inf]]) - hop / n
+        v[0] = np.inf
+        for p in range(n - 2, 0, -1):           # position p: a pack [x, m - 1] on top of v's packing
+            w = (p + 1) / n
+            # the lowest start of a pack [x, m - 1] whose weighted rest is at most L (x >= 1: v's packing holds a pack)
+            lo = np.searchsorted(_reach(end_b, pre_rest, L / w), np.maximum(bounds - 1, 0))
+            lo = np.maximum(np.minimum(lo, bounds), 1)
+            v = w * pre_one + (p / n) * hop + _window_min(v - w * pre_one, lo, bounds - 1)
+        return v[fits]
+
+    every = least(math.inf)
+    hi = min(upto - float(np.min(base + crit_rest + every)), pre_rest[-1])   # above: every plan is above upto
+    bands = [[0.0, float(rest.max()), None]]    # (P, L, least(L)); the first from 0
+    while bands[-1][1] < hi:
+        bands.append([bands[-1][1], 2 * bands[-1][1], None])
+    bands.append([bands[-1][1], math.inf, every])
+    for _ in range(most + len(bands)):
+        for band in bands:
+            if band[2] is None:
+                band[2] = least(band[1])
+        values = np.array([np.maximum(P, crit_rest) + v for P, _, v in bands])
+        per_s = base + values.min(axis=0)
+        i = int(np.argmin(np.maximum(path, per_s)))
+        j = int(np.argmin(values[:, i]))
+        P, L, v = bands[j]
+        if P == 0.0 or L == math.inf or L <= P * ratio:
+            break
+        mid = math.sqrt(P * L)
+        bands[j: j + 1] = [[P, mid, None], [mid, L, v]]
+    return np.where(_fewest_packs(end_b)[fits] >= n - 1, per_s, 0.0)
+
+
+def _reach(end: np.ndarray, pre: np.ndarray, L: float) -> np.ndarray:
+    """Per start a, the last layer a pack [a, e] may end at: it fits (``end``), and its prefix-summed
+    ``pre`` (the microbatches' compute beyond one) is at most L."""
+    if L == math.inf:
+        return end
+    top = np.searchsorted(pre, pre[:-1] + L * (1 + 1e-12), side="right") - 2
+    return np.minimum(end, np.maximum(top, np.arange(len(end)) - 1))
+
+
+def _window_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per i, ``min(values[lo[i]: hi[i] + 1])`` (inf where empty): a sparse table, O(R log R)."""
+    levels = [np.asarray(values, float)]
+    while 2 ** len(levels) <= len(values):
+        k = 2 ** (len(levels) - 1)
+        levels.append(np.minimum(levels[-1][:-k], levels[-1][k:]))
+    out = np.full(len(lo), np.inf)
+    ok = hi >= lo
+    lo, hi = lo[ok], hi[ok]
+    level = np.floor(np.log2(hi - lo + 1)).astype(int)
+    res = np.empty(len(lo))
+    for j in np.unique(level):
+        m = level == j
+        res[m] = np.minimum(levels[j][lo[m]], levels[j][hi[m] - 2 ** j + 1])
+    out[ok] = res
+    return out
 
 
 def _last_step(profile: Profile, hw: Hardware, bw_out: float) -> float:
