@@ -30,6 +30,12 @@ def test_quick_experiment_writes_every_table_and_the_figure(tmp_path):
             assert gpt.loc[m, f"busy_{stream}_over_sim"] > 0
     assert (res / "gpu" / "gpt2_tiny_cap0.002GB" / "ours.trace.json").exists()
     assert (res / "gpu_busy_by_stream.png").stat().st_size > 10_000
+    # and by kind of work, from the trace and the simulator's iteration of the same plan:
+    # the measured work and the modelled one are both there for each kind, for each traced run
+    kinds = pd.read_csv(res / "gpu_by_kind.csv").set_index(["method", "kind"])
+    for kind in ("forward", "backward", "CPU step", "weights in"):
+        assert kinds.loc[("ours", kind), "measured_s"] > 0 and kinds.loc[("ours", kind), "simulated_s"] > 0
+    assert "by kind of work" in (res / "gpu_summary.md").read_text()
     assert "CUDA" in gpt.loc["deepspeed", "status"] or "DeepSpeed" in gpt.loc["deepspeed", "status"]
     corr = pd.read_csv(res / "gpu_correctness.csv")
     assert len(corr) == 6 and (corr.max_rel_error < 1e-4).all() and (corr.moved_by_training > 1e-3).all()

@@ -24,7 +24,8 @@ started):
 6. ``handoff``: our plan with activation gradients kept on the GPU (Plan.gpu_handoff) and the
    same plan without, trained alternately, against the simulator's figures for both.
 7. ``report``: ``experiments/results/gpu_runs.csv``, ``gpu_correctness.csv``,
-   ``gpu_samples_per_s.png`` and ``gpu_summary.md``.
+   ``gpu_by_kind.csv`` (each traced run's work by kind against the simulator's),
+   ``gpu_samples_per_s.png``, ``gpu_busy_by_stream.png`` and ``gpu_summary.md``.
 """
 from __future__ import annotations
 

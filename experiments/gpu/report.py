@@ -150,6 +150,43 @@ def handoff_table(P, workloads, caps) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def trace_events(path) -> pd.DataFrame:
+    """The event table of a Chrome trace written by ``Timeline.to_chrome_trace`` (times in s)."""
+    trace = json.loads(path.read_text())["traceEvents"]
+    streams = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    return pd.DataFrame([{"rank": e["pid"], "stream": streams[(e["pid"], e["tid"])], "kind": e["name"].split()[0],
+                          "start": e["ts"] / 1e6, "end": (e["ts"] + e["dur"]) / 1e6}
+                         for e in trace if e["ph"] == "X"], columns=["rank", "stream", "kind", "start", "end"])
+
+
+def kinds_table(P, workloads, caps) -> pd.DataFrame:
+    """Per trained run with a trace: seconds of each kind of work in the measured last step and in
+    the simulator's iteration of the same plan (trial.busy_by_kind), so that where the two
+    disagree shows by kind, not only by stream."""
+    from harmony_opt.hardware import get_hardware
+    from harmony_opt.plan import Plan
+    from harmony_opt.profile import Profile
+    from harmony_opt.simulator import simulate
+
+    from .trial import busy_by_kind
+    rows = []
+    for w in workloads:
+        for cap in caps:
+            d = P.case(w, cap)
+            for method in METHODS:
+                trace, plan = d / f"{method}.trace.json", d / f"{method}.plan.json"
+                if not (trace.exists() and plan.exists() and P.profile(w).exists() and P.hardware.exists()):
+                    continue
+                tl = simulate(Plan.load(plan), Profile.load(P.profile(w)), get_hardware(P.hardware, memory_cap=cap),
+                              memory_cap=cap)
+                measured, simulated = busy_by_kind(trace_events(trace)), busy_by_kind(tl.events)
+                for kind in sorted(set(measured) | set(simulated)):
+                    m, s = measured.get(kind, 0.0), simulated.get(kind, 0.0)
+                    rows.append({"model": w.model, "cap_GB": cap / GB, "method": method, "kind": kind,
+                                 "measured_s": m, "simulated_s": s, "measured_over_simulated": m / s if s else None})
+    return pd.DataFrame(rows)
+
+
 def write_report(P, workloads, caps, device_name: str) -> None:
     P.results.mkdir(parents=True, exist_ok=True)
     df = runs_table(P, workloads, caps, device_name)
@@ -180,6 +217,15 @@ def write_report(P, workloads, caps, device_name: str) -> None:
                   "plan through host memory (`host`), trained alternately; `measured_*`: median over the rounds of "
                   "each run's mean step time (`rounds_*`: each round's); `swaps_*`: swap instructions per "
                   "iteration.", "", markdown_table(kept, floatfmt=".4g"), ""]
+    kinds = kinds_table(P, workloads, caps)
+    if not kinds.empty:
+        atomic_write_text(P.results / "gpu_by_kind.csv", kinds.to_csv(index=False, float_format="%.6g"))
+        runs = kinds.assign(run=[f"{m} {c:g} GB {k}" for m, c, k in zip(kinds.model, kinds.cap_GB, kinds.method)])
+        cells = [f"{a:.3f} / {b:.3f}" for a, b in zip(runs.measured_s, runs.simulated_s)]
+        pivot = runs.assign(cell=cells).pivot(index="run", columns="kind", values="cell").fillna("-").reset_index()
+        lines += ["Where the time goes, by kind of work (seconds in the measured last step / in the simulator's "
+                  "iteration of the same plan; sums of event durations on rank 0, so overlapping work counts in "
+                  "full; gpu_by_kind.csv):", "", markdown_table(pivot), ""]
     if corr is not None:
         lines += ["Correctness (weights after 10 steps, executor vs plain PyTorch, TF32 off):", "",
                   markdown_table(corr, floatfmt=".2e"), ""]

@@ -42,6 +42,31 @@ def busy_by_stream(timeline) -> dict[str, float]:
     return {"compute": busy(["compute"]), "cpu": busy(["cpu"]), "h2d": busy(H2D_STREAMS), "d2h": busy(D2H_STREAMS)}
 
 
+#: what each event is, by stream and kind, in both a simulated and a measured Timeline (the
+#: simulator names a GPU step GPU_UPD, the executor UPD; the executor times a backward pack's
+#: recompute apart, REC, the simulator within BWD)
+KINDS = {"FWD": "forward", "REC": "backward", "BWD": "backward", "UPD": "GPU step", "GPU_UPD": "GPU step"}
+WEIGHTS = ("W", "B", "K", "WK", "dW")
+
+
+def kind_of(stream: str, kind: str) -> str:
+    """The kind of work an event is, for ``busy_by_kind``: compute by phase, steps by device,
+    transfers by direction and whether they carry weights (with their state and gradients)."""
+    if stream == "cpu":
+        return "CPU step"
+    if stream == "compute":
+        return KINDS.get(kind, kind)
+    way = "in" if stream.startswith("swap_in") else "out"
+    return f"{'weights' if kind in WEIGHTS else 'activations'} {way}"
+
+
+def busy_by_kind(events) -> dict[str, float]:
+    """Seconds of events of each kind (``kind_of``) on rank 0, from a Timeline's event table."""
+    ev = events[events["rank"] == 0]
+    kinds = [kind_of(s, k) for s, k in zip(ev["stream"], ev["kind"])]
+    return {str(k): float(v) for k, v in (ev["end"] - ev["start"]).groupby(kinds).sum().items()}
+
+
 def build_cached(name: str, overrides: dict, cache: Path | None = None):
     """``build_model(name, **overrides)``, with the initial weights kept in ``cache`` (default: the
     system's temporary folder) after the first build: GPT-2 XL's initialisation takes about 30 s
