@@ -216,7 +216,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         moved += k * c.saved * wait / hw.h2d_bandwidth
         saved += k * c.saved
     # per criterion start s in ``fits``: the forward compute and the weights of the layers before it
-    forward = sum(k * profile.costs("FWD", u).pack_time(0, before) for u, k in collections.Counter(uf).items())
+    forward = _forward_before(profile, uf, fits)
     w_all = profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1)
     w_before = profile.param_bytes(0, before) + profile.buffer_bytes(0, before)
     w_in = (w_all + w_before) * per_in
@@ -465,7 +465,8 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     pre_f, pre_b = (np.concatenate([[0.0], np.cumsum(r)]) for r in (rest_f, rest_b))
     _, bw_in, bw_out, _ = link_rates(hw, cfg)
     hf, hc, hb = boundary_hops(profile, hw, cfg, uf, ub)
-    base = np.concatenate([[0.0], np.cumsum(one_f)])[fits] + one_b.sum() + hc[fits] + _last_step(profile, hw, bw_out)
+    last = _last_step(profile, hw, bw_out)
+    base = np.concatenate([[0.0], np.cumsum(one_f)])[fits] + one_b.sum() + hc[fits] + last
     crit = pre_b[R] - pre_b[fits]
     zero = np.zeros(R)
 
@@ -473,20 +474,19 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     prev, L = 0.0, float(max(rest_f[0], rest_b[0]))
     hi = min(upto - float(base.min()), max(pre_f[-1], pre_b[-1]))     # above: every packing
     while True:
-        last = L >= hi
-        if last:                    # every packing above the previous threshold
+        final = L >= hi
+        if final:                   # every packing above the previous threshold
             fwd = _least_packing(end_f, hf, zero, zero)
             back = _least_packing(end_b, zero, hb, zero)
         else:
             fwd = _least_packing(_reach(end_f, pre_f, L), hf, zero, zero)
             back = _least_packing(_reach(end_b, pre_b, L), zero, hb, zero)
         best = np.minimum(best, np.maximum(prev, crit) + fwd[fits] + back[fits])
-        if last:
+        if final:
             break
         prev, L = L, L * ratio
     path = base + best
-    per_gpu = _per_gpu_paths(profile, cfg, uf, end_b, fits, one_b, rest_b, hb, _last_step(profile, hw, bw_out),
-                             upto, path)
+    per_gpu = _per_gpu_paths(profile, cfg, uf, end_b, fits, one_b, rest_b, hb, last, upto, path)
     return float(np.min(np.maximum(path, per_gpu)))
 
 
@@ -521,7 +521,7 @@ def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarr
     ``ratio``."""
     n, R = cfg.ranks, profile.num_layers
     pre_one, pre_rest = (np.concatenate([[0.0], np.cumsum(r)]) for r in (one, rest))
-    forward = sum(k * profile.costs("FWD", u).pack_time(0, fits - 1) for u, k in collections.Counter(uf).items())
+    forward = _forward_before(profile, uf, fits)
     crit_rest = (pre_rest[R] - pre_rest[fits]) / n
     base = forward / n + (pre_one[R] - pre_one[fits]) / n + last
     bounds = np.arange(R + 1)
@@ -545,14 +545,11 @@ def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarr
 
     every = least(math.inf)
     hi = min(upto - float(np.min(base + crit_rest + every)), pre_rest[-1])   # above: every plan is above upto
-    bands = [[0.0, float(rest.max()), None]]    # (P, L, least(L)); the first from 0
-    while bands[-1][1] < hi:
-        bands.append([bands[-1][1], 2 * bands[-1][1], None])
-    bands.append([bands[-1][1], math.inf, every])
+    tops = [float(rest.max())]                  # the bands (P, L] with least(L); the first from 0
+    while tops[-1] < hi:
+        tops.append(2 * tops[-1])
+    bands = [(P, L, least(L)) for P, L in zip([0.0] + tops, tops)] + [(tops[-1], math.inf, every)]
     for _ in range(most + len(bands)):
-        for band in bands:
-            if band[2] is None:
-                band[2] = least(band[1])
         values = np.array([np.maximum(P, crit_rest) + v for P, _, v in bands])
         per_s = base + values.min(axis=0)
         i = int(np.argmin(np.maximum(path, per_s)))
@@ -561,8 +558,13 @@ def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarr
         if P == 0.0 or L == math.inf or L <= P * ratio:
             break
         mid = math.sqrt(P * L)
-        bands[j: j + 1] = [[P, mid, None], [mid, L, v]]
+        bands[j: j + 1] = [(P, mid, least(mid)), (mid, L, v)]
     return np.where(_fewest_packs(end_b)[fits] >= n - 1, per_s, 0.0)
+
+
+def _forward_before(profile: Profile, uf: list[int], starts: np.ndarray) -> np.ndarray:
+    """Per criterion start s, the forward compute of the layers before it, every forward microbatch."""
+    return sum(k * profile.costs("FWD", u).pack_time(0, starts - 1) for u, k in collections.Counter(uf).items())
 
 
 def _reach(end: np.ndarray, pre: np.ndarray, L: float) -> np.ndarray:

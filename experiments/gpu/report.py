@@ -170,15 +170,19 @@ def kinds_table(P, workloads, caps) -> pd.DataFrame:
 
     from .trial import busy_by_kind
     rows = []
+    if not P.hardware.exists():
+        return pd.DataFrame(rows)
     for w in workloads:
+        prof = Profile.load(P.profile(w)) if P.profile(w).exists() else None
         for cap in caps:
             d = P.case(w, cap)
-            for method in METHODS:
-                trace, plan = d / f"{method}.trace.json", d / f"{method}.plan.json"
-                if not (trace.exists() and plan.exists() and P.profile(w).exists() and P.hardware.exists()):
-                    continue
-                tl = simulate(Plan.load(plan), Profile.load(P.profile(w)), get_hardware(P.hardware, memory_cap=cap),
-                              memory_cap=cap)
+            runs = [m for m in METHODS if (d / f"{m}.trace.json").exists() and (d / f"{m}.plan.json").exists()]
+            if prof is None or not runs:
+                continue
+            hw = get_hardware(P.hardware, memory_cap=cap)
+            for method in runs:
+                trace = d / f"{method}.trace.json"
+                tl = simulate(Plan.load(d / f"{method}.plan.json"), prof, hw, memory_cap=cap)
                 measured, simulated = busy_by_kind(trace_events(trace)), busy_by_kind(tl.events)
                 for kind in sorted(set(measured) | set(simulated)):
                     m, s = measured.get(kind, 0.0), simulated.get(kind, 0.0)
