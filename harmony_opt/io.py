@@ -72,6 +72,16 @@ def _output_error(path: Path, e: OSError) -> OutputError:
                                 f"folder) or free some space")
 
 
+def read_json(path: str | Path, what: str, error: type[HarmonyOptError], hint: str, broken: str = ""):
+    """The JSON value in ``path`` (``read_text``); text that is not JSON raises ``error`` naming the
+    line, with ``broken`` (what to do about it) after it."""
+    text = read_text(path, what, error, hint)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: line {e.lineno}: not valid JSON ({e.msg}){'; ' + broken if broken else ''}") from None
+
+
 def read_text(path: str | Path, what: str, error: type[HarmonyOptError], hint: str) -> str:
     """The text of ``path``; a missing, unreadable or binary file raises ``error`` saying which and
     what to do (``hint``)."""

@@ -297,13 +297,10 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        from .io import read_text
+        from .io import read_json
         path = Path(path)
-        text = read_text(path, "plan file", PlanError, "give the plan JSON that `harmony-opt plan` or `baseline` wrote")
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: line {e.lineno}: not valid JSON ({e.msg}); was the file cut short?") from None
+        d = read_json(path, "plan file", PlanError, "give the plan JSON that `harmony-opt plan` or `baseline` wrote",
+                      "was the file cut short?")
         return cls.from_dict(d, str(path))
 
 

@@ -274,12 +274,8 @@ class Profile:
         meta_path = path / "meta.json"
         meta = {}
         if meta_path.exists():
-            from .io import read_text
-            text = read_text(meta_path, "profile metadata", ProfileError, "fix or delete meta.json")
-            try:
-                meta = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ProfileError(f"{meta_path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+            from .io import read_json
+            meta = read_json(meta_path, "profile metadata", ProfileError, "fix or delete meta.json")
             if not isinstance(meta, dict):
                 raise ProfileError(f"{meta_path}: must hold a JSON object")
         name = str(meta.get("model", path.name))

@@ -447,13 +447,9 @@ class Program:
 
     @classmethod
     def load(cls, path: str | Path) -> "Program":
-        from .io import read_text
+        from .io import read_json
         path = Path(path)
-        text = read_text(path, "program file", ProgramError, "give the program JSON that `harmony-opt compile` wrote")
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProgramError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        d = read_json(path, "program file", ProgramError, "give the program JSON that `harmony-opt compile` wrote")
         return cls.from_dict(d, str(path))
 
 

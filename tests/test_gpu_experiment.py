@@ -90,6 +90,17 @@ def test_bad_input_is_one_line_and_exit_2(bad, says, tmp_path, capsys):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_broken_result_file_is_one_line_and_exit_2(tmp_path, capsys):
+    """A result an earlier stage left half-written (its process killed mid-write, a hand edit): the
+    report names the file and says what to do, in one line."""
+    case = tmp_path / "experiments" / "results" / "gpu" / "gpt2_tiny_cap0.002GB"
+    case.mkdir(parents=True)
+    (case / "case.json").write_text('{"model": "gpt2-tiny", ')
+    assert main(["--quick", "--device", "cpu", "--root", str(tmp_path), "--stages", "report"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "case.json: line 1: not valid JSON" in err and "delete it" in err and len(err.splitlines()) == 1
+
+
 def test_cached_model_build_has_the_same_weights_and_buffers(tmp_path):
     import torch
 

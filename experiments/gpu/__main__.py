@@ -44,6 +44,8 @@ from harmony_opt.errors import HarmonyOptError, UsageError
 from harmony_opt.io import atomic_write_json
 from harmony_opt.units import parse_bytes
 
+from . import read_result
+
 GB = 10 ** 9
 METHODS = ("ours", "harmony", "naive-swap", "torch-offload", "deepspeed")
 PLAN_METHODS = ("ours", "harmony", "naive-swap")
@@ -195,7 +197,7 @@ def _trial(job: dict, out: Path, timeout: float) -> dict:
         atomic_write_json(out, {"ok": False, "error": f"timed out after {timeout:.0f} s"})
     if not out.exists():
         atomic_write_json(out, {"ok": False, "error": "the run's process died without a result"})
-    return json.loads(out.read_text())
+    return read_result(out)
 
 
 def _deepspeed_available() -> str | None:
@@ -218,7 +220,7 @@ def stage_train(P: Paths, workloads, caps, device: str, steps: int, warmup: int,
     todo += [(c, m) for m in methods if m not in PLAN_METHODS for c in every]      # the slow ones last
     for (w, cap, batch, _, _), method in todo:
         d = P.case(w, cap)
-        info = json.loads((d / "case.json").read_text())
+        info = read_result(d / "case.json")
         if batch is None:
             continue
         ours = info["plans"].get("ours", {})
@@ -253,7 +255,7 @@ def stage_correct(P: Paths, device: str, quick: bool) -> None:
     from .correctness import check_all
 
     out = P.raw / "correctness.json"
-    old = json.loads(out.read_text()) if out.exists() else []
+    old = read_result(out) if out.exists() else []
     rows = check_all(device, quick, done={r["case"] for r in old})
     if not rows:
         return log(f"correct: {out} holds every case")
@@ -386,7 +388,7 @@ def _main(argv) -> int:
         stage_handoff(P, workloads, caps, args.device, max(3, args.steps // 2), args.warmup)
     if "report" in stages:
         recorded = P.raw / "device.json"     # the GPU the runs were measured on, when reported elsewhere
-        stage_report(P, workloads, caps, json.loads(recorded.read_text())["device"] if recorded.exists() and
+        stage_report(P, workloads, caps, read_result(recorded)["device"] if recorded.exists() and
                      args.device == "cpu" else device_name)
     return 0
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import datetime
 import io
-import json
 
 import pandas as pd
 
 from harmony_opt.io import atomic_write_bytes, atomic_write_text
 from harmony_opt.reproduce import markdown_table
+
+from . import read_result
 
 GB = 10 ** 9
 #: every method a case may hold results of, in table and figure order ("l2l": runs filed as what they ran)
@@ -22,7 +23,7 @@ def runs_table(P, workloads, caps, device_name: str) -> pd.DataFrame:
             d = P.case(w, cap)
             if not (d / "case.json").exists():
                 continue
-            info = json.loads((d / "case.json").read_text())
+            info = read_result(d / "case.json")
             base = {"device": device_name, "model": w.model, "cap_GB": cap / GB, "batch": info["batch"],
                     "footprint_GB": info["footprint"] / GB, "lower_bound_s": info.get("lower_bound_s")}
             if info.get("skipped"):
@@ -33,7 +34,7 @@ def runs_table(P, workloads, caps, device_name: str) -> pd.DataFrame:
                 plan = info["plans"].get(method, {})
                 if not f.exists():
                     continue
-                r = json.loads(f.read_text())
+                r = read_result(f)
                 row = {**base, "method": method, "status": "ok" if r.get("ok") else r.get("error", "failed"),
                        "simulated_s": plan.get("simulated_s"), "u_fwd": plan.get("u_fwd"),
                        "u_bwd": plan.get("u_bwd"), "packs_bwd": plan.get("packs_bwd")}
@@ -126,7 +127,7 @@ def handoff_table(P, workloads, caps) -> pd.DataFrame:
             f = P.case(w, cap) / "handoff.json"
             if not f.exists():
                 continue
-            h = json.loads(f.read_text())
+            h = read_result(f)
             row = {"model": w.model, "cap_GB": cap / GB, "batch": h["batch"], "swaps_host": h["swaps"]["host"],
                    "swaps_kept": h["swaps"]["kept"]}
             if h.get("skipped"):
@@ -152,7 +153,7 @@ def handoff_table(P, workloads, caps) -> pd.DataFrame:
 
 def trace_events(path) -> pd.DataFrame:
     """The event table of a Chrome trace written by ``Timeline.to_chrome_trace`` (times in s)."""
-    trace = json.loads(path.read_text())["traceEvents"]
+    trace = read_result(path)["traceEvents"]
     streams = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
     return pd.DataFrame([{"rank": e["pid"], "stream": streams[(e["pid"], e["tid"])], "kind": e["name"].split()[0],
                           "start": e["ts"] / 1e6, "end": (e["ts"] + e["dur"]) / 1e6}
@@ -196,7 +197,7 @@ def write_report(P, workloads, caps, device_name: str) -> None:
     df = runs_table(P, workloads, caps, device_name)
     atomic_write_text(P.results / "gpu_runs.csv", df.to_csv(index=False, float_format="%.6g"))
     path = P.raw / "correctness.json"
-    corr = pd.DataFrame(json.loads(path.read_text())) if path.exists() else None
+    corr = pd.DataFrame(read_result(path)) if path.exists() else None
     if corr is not None:
         atomic_write_text(P.results / "gpu_correctness.csv", corr.to_csv(index=False, float_format="%.3g"))
     if not df.empty and (df.status == "ok").any():
