@@ -34,3 +34,12 @@ def synthetic_profile(R: int = 8, sizes=(1, 2, 4, 8), seed: int = 0, mem_scale: 
 @pytest.fixture
 def small_profile():
     return synthetic_profile()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: faster on tiny models, and no spin-waiting collapse when other
+    processes share the cores (as the executor's rank processes already do)."""
+    from runtime.optim import intra_op_threads
+    with intra_op_threads(1):
+        yield

@@ -17,14 +17,8 @@ from harmony_opt.plan import PackOptions, Plan
 from harmony_opt.training import batch_seed, train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: faster on these tiny models, and no spin-waiting collapse when other
-    processes share the cores (as the rank processes already do)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# one intra-op thread for every test here (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(batch: int, gen: torch.Generator):

@@ -47,3 +47,11 @@ def writable_file(path: str, option: str = "-o", example: str = "hardware.toml")
         raise UsageError(f"{option} {path}: is a folder; give a file name such as {example}")
     writable_folder(str(p.parent), f"{option} {path}")
     return p
+
+
+def written(save, path, what: str):
+    """``save(path)``, an OS error there (disk full, no permission) as one line naming ``what``."""
+    try:
+        return save(path)
+    except OSError as e:
+        raise UsageError(f"cannot write {what}: {e.strerror or e}") from None

@@ -11,8 +11,8 @@ from __future__ import annotations
 import ast
 import re
 
-from ..errors import HarmonyOptError, UsageError
-from .common import writable_file, writable_folder
+from ..errors import UsageError
+from .common import writable_file, writable_folder, written
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?::(\d+))?)?$")
 
@@ -54,12 +54,7 @@ def _profile(args):
     model = build_model(args.model, seed=args.seed, **overrides)
     prof = profile_model(model, sizes, str(device), repeats=args.repeats, warmup=args.warmup,
                          progress=not args.no_progress, seed=args.seed)
-    try:
-        prof.save(out)
-    except HarmonyOptError:
-        raise
-    except OSError as e:
-        raise UsageError(f"cannot write the profile to {out}: {e.strerror or e}") from None
+    written(prof.save, out, f"the profile to {out}")
     print(f"wrote {out}: {prof.name}, {prof.num_layers} layers, microbatch {', '.join(map(str, prof.sizes('FWD')))}"
           f" on {prof.meta['device']}")
     for note in prof.meta.get("skipped", []):
@@ -76,12 +71,7 @@ def _probe(args):
     if not sizes or args.repeats < 1:
         raise UsageError("--sizes needs at least one size and --repeats must be >= 1")
     hw = probe_hardware(args.device or _default_device(), sizes, repeats=args.repeats)
-    try:
-        hw.save(path)
-    except HarmonyOptError:
-        raise
-    except OSError as e:
-        raise UsageError(f"cannot write the hardware file {path}: {e.strerror or e}") from None
+    written(hw.save, path, f"the hardware file {path}")
     print(f"wrote {path}: {hw.name}, {hw.gpus} device(s) of {fmt_bytes(hw.gpu_memory_bytes)} usable, "
           f"host->device {hw.h2d_bandwidth / 1e9:.1f} GB/s, device->host {hw.d2h_bandwidth / 1e9:.1f} GB/s")
 
