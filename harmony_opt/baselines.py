@@ -24,6 +24,7 @@ from .errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from .hardware import Hardware
 from .memory import check_layers_fit, max_pack_end
 from .plan import Plan, data_shares, split_microbatches
+from .host_memory import host_memory
 from .profile import Profile
 from .units import fmt_bytes
 
@@ -169,7 +170,16 @@ def _best_by_size(make: Callable[[int], Plan | None], sizes, profile, hw, name, 
             best, best_t, best_u = plan, t, u
     if best is None:
         raise _infeasible(profile, cap, sizes, name)
-    return best.replace(simulated_iteration_time_s=best_t, search_time_s=time.perf_counter() - t0)
+    return _fits_host(best.replace(simulated_iteration_time_s=best_t, search_time_s=time.perf_counter() - t0),
+                      profile, hw)
+
+
+def _fits_host(plan: Plan, profile: Profile, hw: Hardware) -> Plan:
+    """``plan``, or InfeasibleError where it needs more host memory than ``hw`` has: the baselines search
+    as their authors did, without that budget, so their best plan is checked afterwards."""
+    host_memory(plan, profile, hw).check(hw, f"{plan.planner}'s plan ({plan.mode} x{plan.gpus} "
+                                             f"u={plan.microbatch_fwd}/{plan.microbatch_bwd})")
+    return plan
 
 
 def _gpus(hw: Hardware, gpus: int | None) -> int:
@@ -266,7 +276,7 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
     res = harmony_search(profile, batch, n, mode, cap, packing_fwd=packing_fwd, packing_bwd=packing_bwd,
                          rank_fit_normally=True, score=scorer, **kw)
     plan = res.best_plan()
-    return plan.replace(cost_model=cost_model, **_ident(profile, hw))
+    return _fits_host(plan.replace(cost_model=cost_model, **_ident(profile, hw)), profile, hw)
 
 
 PLANNERS = {

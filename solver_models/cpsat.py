@@ -111,8 +111,9 @@ def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_lim
 def phase_objective(m: cp_model.CpModel, tasks: Tasks, amount: Callable, fwd, bwd, horizon: int) -> None:
     """Minimize ``T = max(fwd, link_F) + max(bwd, link_B)`` (timing.py): the forward phase (through
     the criterion pack, ``fwd``) and the backward phase (``bwd``) each take at least their own
-    traffic on the shared host link. ``amount(col, rows)``: the model's sum of ``col`` over the
-    chosen tasks among ``rows`` (a mask over the task table)."""
+    traffic on the shared host link; and the activation buffers fit the host memory left.
+    ``amount(col, rows)``: the model's sum of ``col`` over the chosen tasks among ``rows`` (a mask
+    over the task table)."""
     d = tasks.ticks()
     backward = d["backward"].astype(bool)
     every = np.ones(len(backward), bool)
@@ -124,6 +125,8 @@ def phase_objective(m: cp_model.CpModel, tasks: Tasks, amount: Callable, fwd, bw
     m.add(T >= P + bwd)
     m.add(T >= P + amount(d["link_in"], backward))
     m.add(T >= P + amount(d["link_out"] - d["link_out_fwd"], every))
+    if tasks.host_budget is not None:       # the activation buffers fit the host memory left (timing.host_fits)
+        m.add(amount(d["host"], every) <= tasks.host_budget)
     m.minimize(T)
 
 

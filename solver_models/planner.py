@@ -42,13 +42,14 @@ from harmony_opt.bound import lower_bound
 from harmony_opt.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from harmony_opt.hardware import Hardware
 from harmony_opt.harmony_compat import simulate_harmony
+from harmony_opt.host_memory import host_memory, may_bind, model_host_memory
 from harmony_opt.memory import explain_infeasible, max_pack_end
 from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.profile import Profile
 from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
-from .tasks import (MAX_LAYERS_WITH_STASH, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
+from .tasks import (MAX_LAYERS_WITH_STASH, MEM_UNIT, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
                     forward_costs, link_capacity, link_rates, stash_out_exposed, stashable_layers)
 from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
@@ -694,6 +695,9 @@ class _Search:
     budget: Budget
     say: object
     ident: dict
+    host_check: bool = False        # some plan could exceed the host's memory budgets (host_memory.may_bind)
+    host_error: InfeasibleError | None = None   # the least host memory overrun of a plan judged
+    host_short: int | None = None   # MiB: the least activation buffers of a configuration none of whose plans fit
 
     @property
     def options(self) -> bool:          # per-pack options searched at all
@@ -754,9 +758,36 @@ class _Search:
         except PlanError:
             return float("inf")
         self.budget.spend(Budget.PER_EVENT * events)
-        return tl.iteration_time
+        return tl.iteration_time if self.fits_host(plan_) else float("inf")
+
+    def fits_host(self, plan_: Plan) -> bool:
+        """Whether ``plan_``'s host memory fits the host's budgets; keeps the least overrun for the
+        explanation where no plan fits."""
+        if not self.host_check:
+            return True
+        try:
+            host_memory(plan_, self.profile, self.hw).check(
+                self.hw, f"plan {plan_.mode} x{plan_.gpus} u={plan_.microbatch_fwd}/{plan_.microbatch_bwd} of "
+                         f"{self.profile.name} at minibatch {self.batch}")
+        except InfeasibleError as e:
+            if self.host_error is None or e.needed_bytes < self.host_error.needed_bytes:
+                self.host_error = e
+            return False
+        return True
+
+    @staticmethod
+    def shown(t: float) -> str:
+        return f"{t:.4f} s" if math.isfinite(t) else "not playable (over the GPU or host memory)"
 
     def infeasible(self) -> InfeasibleError:
+        if self.host_error is not None:
+            return self.host_error
+        if self.host_short is not None:
+            need = dataclasses.replace(model_host_memory(self.profile), activations=self.host_short * MEM_UNIT)
+            try:
+                need.check(self.hw, f"every plan of {self.profile.name} at minibatch {self.batch} searched")
+            except InfeasibleError as e:
+                return e
         return explain_infeasible(self.profile, self.cap,
                                   feasible_sizes(self.profile, self.batch, "vDP", self.hw.gpus, "FWD"),
                                   feasible_sizes(self.profile, self.batch, "vDP", self.hw.gpus, "BWD"))
@@ -805,6 +836,11 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
         first = _first_solution(S, tasks, hint) if len(tasks.table) else None
         if first is None or not np.isfinite(first[0]):
             stats["infeasible"] += 1
+            if tasks.host_budget is not None and len(tasks.table):      # for the explanation
+                _afford_dp(S, tasks)
+                least = dp.least_host(tasks)
+                if least is not None and least > tasks.host_budget:
+                    S.host_short = min(least, S.host_short or least)
             continue
         stats["evaluated"] += 1
         value, seq, dp_bound = first
@@ -832,10 +868,19 @@ def _first_solution(S: _Search, tasks: Tasks, hint):
         r = dp.solve_chain(tasks)
         if r is None:
             return None
-        return evaluate(tasks, r[1]), r[1], r[0]
+        value = evaluate(tasks, r[1])
+        if math.isinf(value) and tasks.host_budget is not None:     # its activation buffers overflow the host
+            return dp.within_host(tasks, r, lambda: _afford_dp(S, tasks))
+        return value, r[1], r[0]
     starts, work = search.starts(tasks, S.profile, hint)
     S.budget.spend(Budget.PER_START * work)
     return (starts[0][0], starts[0][1], None) if starts else None
+
+
+def _afford_dp(S: _Search, tasks: Tasks) -> bool:
+    """Charge one more DP over ``tasks``; whether the budget has some left."""
+    S.budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
+    return S.budget.left() > 0
 
 
 def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
@@ -860,6 +905,9 @@ def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
         S.budget.spend(Budget.PER_ROW * len(tasks.table) + Budget.PER_NODE * 2 * tasks.num_layers
                        + Budget.PER_PAIR * dp.pairs(tasks))
         r = dp.solve_chain(tasks, relax_stash=True)
+        if r is not None and tasks.host_budget is not None:     # the Lagrangian bound of the host budget
+            r = dp.within_host(tasks, r, lambda: _afford_dp(S, tasks), relax_stash=True)
+            r = None if r is None else (r[2], r[1])
         value = r[0] if r is not None else float("inf")
         if kept:
             c.tight_floor, c.floor = True, max(c.floor, value)
@@ -999,13 +1047,13 @@ def _judge_candidates(S: _Search, found: list[_Candidate], incumbent: Plan | Non
             break
         cand = S.plan_of(c, c.seq)
         t = S.judge(cand)
-        S.say(f"simulated {c.cfg} ({c.how}): {t:.4f} s (model {c.value:.4f} s)" + ("  <- best" if t < best_t else ""))
+        S.say(f"simulated {c.cfg} ({c.how}): {S.shown(t)} (model {c.value:.4f} s)" + ("  <- best" if t < best_t else ""))
         if t < best_t:
             best_plan, best_t, best_c = cand, t, c
         if S.handoff(c.cfg):
             kept = cand.replace(gpu_handoff=True)
             t = S.judge(kept)
-            S.say(f"simulated {c.cfg} ({c.how}), gradients kept on the GPU: {t:.4f} s"
+            S.say(f"simulated {c.cfg} ({c.how}), gradients kept on the GPU: {S.shown(t)}"
                   + ("  <- best" if t < best_t else ""))
             if t < best_t:
                 best_plan, best_t, best_c = kept, t, c
@@ -1133,11 +1181,14 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     inputs, seed and workers give the same plan."""
     opts = options or PlannerOptions()
     _validate(opts, hw, batch)
+    # weights, gradients and optimizer state: the same in every plan
+    model_host_memory(profile).check(hw, f"every plan of {profile.name}")
     t_start = time.perf_counter()
     S = _Search(profile, hw, batch, int(memory_cap or hw.gpu_memory_bytes), opts,
                 Budget(0.92 * opts.time_limit),      # the rest: Harmony's search and the report
                 report or (lambda s: None),
-                {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()})
+                {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()},
+                host_check=may_bind(profile, hw, batch))
     incumbent = _harmony(S) if opts.hint else None
     harmony_t = incumbent.simulated_iteration_time_s if incumbent is not None else None
 

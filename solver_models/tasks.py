@@ -15,7 +15,10 @@ The quantities follow the default simulator's rules (harmony_opt/simulator.py, d
 * ``mem`` / ``wb``: the bytes the task holds / those reserved when its weights start coming in;
 * ``tail``: from the last compute to the moment the task frees its memory (last output
   transfer, all-reduce and gradient swap-out); ``upd``: the CPU optimizer step after that;
-* ``h2d`` / ``d2h``: bytes over the host link, for the link's capacity.
+* ``h2d`` / ``d2h``: bytes over the host link, for the link's capacity;
+* ``host``: the activation buffers the task adds to host memory, all replicas together
+  (harmony_opt/host_memory.py): its output or gradient handed on through host memory, a backward
+  pack's stashed input or saved activations, the data for the first task.
 
 In vDP the replicas run in lockstep on one shared host link: their simultaneous transfers take
 turns, and since the replicas meet at every backward pack's all-reduce, the one served last sets
@@ -32,6 +35,7 @@ import dataclasses
 import numpy as np
 
 from harmony_opt.hardware import Hardware
+from harmony_opt.host_memory import may_bind, model_host_memory
 from harmony_opt.memory import max_pack_end
 from harmony_opt.plan import data_shares, split_microbatches
 from harmony_opt.profile import Profile
@@ -92,6 +96,7 @@ class TaskTable:
     h2d: np.ndarray           # bytes into the GPU (during the task's own phase)
     d2h: np.ndarray           # bytes out of the GPU ...
     d2h_fwd: np.ndarray       # ... of which during the forward phase (a backward pack's stashed input)
+    host: np.ndarray          # bytes of activation buffers in host memory (all replicas)
     _index: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self):
@@ -126,6 +131,7 @@ class Tasks:
     link_copies: int                   # copies of the chain that share the host link (vDP: N)
     saved_fwd: np.ndarray | None       # bytes per layer a stashed layer adds to its forward pack
     cuts: np.ndarray                   # boundaries where packs may start/end (all, unless coarsened)
+    host_budget: int | None = None     # MiB of host memory left for the tasks' ``host`` (None: cannot bind)
     _ticks: dict | None = dataclasses.field(default=None, repr=False)
 
     def ticks(self) -> dict:
@@ -133,7 +139,8 @@ class Tasks:
         ``link_in``/``link_out``/``link_out_fwd`` (ticks of all chain copies' transfers on the shared
         link; the last: what leaves during the forward phase), ``backward`` (1 for backward packs), and
         ``mem``/``wb`` with ``cap`` in MiB for the memory rules (rounded up, the cap down, so two
-        tasks the models let overlap really fit together)."""
+        tasks the models let overlap really fit together), ``host`` in MiB (rounded up, against
+        ``host_budget``)."""
         if self._ticks is None:
             t = self.table
             d = {f: np.round(getattr(t, f) * TICKS_PER_S).astype(np.int64) for f in TIME_COLUMNS}
@@ -144,10 +151,11 @@ class Tasks:
             d["mem"] = np.ceil(t.mem / MEM_UNIT).astype(np.int64)
             d["wb"] = np.ceil(t.wb / MEM_UNIT).astype(np.int64)
             d["cap"] = int(self.cap // MEM_UNIT)
+            d["host"] = np.ceil(t.host / MEM_UNIT).astype(np.int64)
             # rows for timing.evaluate's single gather: times, exact memory (the cap check), mem, wb, link
             d["stacked"] = np.stack([d[f] for f in TIME_COLUMNS] + [np.ceil(t.mem).astype(np.int64), d["mem"], d["wb"],
                                                                     d["link_in"], d["link_out"], d["link_out_fwd"],
-                                                                    d["backward"]])
+                                                                    d["backward"], d["host"]])
             d["cap_exact"] = int(self.cap)
             self._ticks = d
         return self._ticks
@@ -289,8 +297,11 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     ``per_start`` packs per start boundary, the longest."""
     R = profile.num_layers
     cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
-    share = batch if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)[0]
-    uf_list, ub_list = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
+    shares = [batch] if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)
+    uf_list, ub_list = split_microbatches(shares[0], cfg.u_fwd), split_microbatches(shares[0], cfg.u_bwd)
+    # every replica's microbatches: what the activation buffers in host memory hold
+    every_f = [u for n in shares for u in split_microbatches(n, cfg.u_fwd)]
+    every_b = [u for n in shares for u in split_microbatches(n, cfg.u_bwd)]
     n = cfg.gpus
     chain = cfg.ranks == 1
     copies, bw_in, bw_out, p2p = link_rates(hw, cfg)
@@ -318,6 +329,10 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     y_all = total("FWD", uf_list, lambda c: c.input[fe + 1])
     via_host = p2p == 0
     fwd_mem = np.asarray(cf.pack_memory(fs, fe), np.float64)
+
+    def buffers(phase, at):
+        """Bytes of the activations at layer boundaries ``at`` of every sample (host buffers)."""
+        return total(phase, every_f if phase == "FWD" else every_b, lambda c: c.input[at])
     parts.append(_table(
         F, fs, fe, True, False,
         p_first=cf_first.pack_time(fs, fe), p_last=cf_last.pack_time(fs, fe),
@@ -325,7 +340,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         hop_in=hf[fs],
         w_load=wb / bw_in, mem=fwd_mem, wb=wb, tail=send(y_last), upd=0.0,
         h2d=wb + np.where((fs == 0) | via_host, x_all, 0), d2h=np.where(via_host, y_all, 0),
-        d2h_fwd=np.where(via_host, y_all, 0)))
+        d2h_fwd=np.where(via_host, y_all, 0),
+        host=np.where(fs == 0, buffers("FWD", 0), 0) + np.where(via_host, buffers("FWD", fe + 1), 0)))
 
     # ---- backward packs (variants) and the criterion pack
     rebatch = cfg.u_fwd != cfg.u_bwd
@@ -378,10 +394,19 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         dx_all = np.where(s > 0, total("BWD", ub_list, lambda c: c.input[s]), 0) if not pin_b else 0
         h2d = wbb + (k_opt if gpu_opt else 0) + stash_in + (dy_all if via_host else 0)
         d2h = grads + stash_out + np.where(via_host, dx_all, 0)
+        # host buffers: dX handed on through host memory; the stashed input (layer 0's is the data) or
+        # saved activations; the loss pack's: the data, or its input re-batched through host memory
+        host = np.where((s > 0) & via_host & (not pin_b), buffers("BWD", s), 0)
+        if kind == C:
+            host = host + np.where(s == 0, buffers("BWD", 0), np.where(rebatch and not via_host, buffers("FWD", s), 0))
+        elif recompute:
+            host = host + np.where(s > 0, buffers("BWD", s), 0)
+        else:
+            host = host + total("BWD", every_b, lambda c: c.pack_saved(s, e))
         return _table(kind, s, e, recompute, gpu_opt, p_first=p_first, p_last=p_last, load=load, hop_in=hop,
                       w_load=(wbb + (k_opt if gpu_opt else 0)) / bw_in,
                       mem=mem + (k_opt if gpu_opt else 0), wb=wbb, tail=tail, upd=upd, h2d=h2d, d2h=d2h,
-                      d2h_fwd=stash_out)
+                      d2h_fwd=stash_out, host=host)
 
     stash_ok = stash and R <= MAX_LAYERS_WITH_STASH
     # packs whose every layer may stash (stashable_layers): a prefix count of those that may not
@@ -407,7 +432,19 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
                 parts.append(backward(kind, s, e, recompute, on_gpu))
     table = TaskTable.concat(parts)
     saved = np.asarray(cf.saved, np.float64) if stash_ok else None
-    return Tasks(cfg, table, R, int(cap), link_capacity(hw, n), copies if cfg.mode == "vDP" else 1, saved, cuts)
+    return Tasks(cfg, table, R, int(cap), link_capacity(hw, n), copies if cfg.mode == "vDP" else 1, saved, cuts,
+                 host_budget(profile, hw, batch))
+
+
+def host_budget(profile: Profile, hw: Hardware, batch: int) -> int | None:
+    """MiB of host memory left for a plan's activation buffers once the weights, gradients and
+    optimizer state are in (harmony_opt/host_memory.py; all of them pinned, so the lesser of what
+    is left of either budget); None where no plan of ``batch`` samples could exceed it."""
+    if not may_bind(profile, hw, batch):
+        return None
+    model = model_host_memory(profile)
+    left = min(hw.host_memory_bytes - model.total, hw.pinned_memory_bytes - model.pinned)
+    return max(left, -1) // MEM_UNIT
 
 
 def _table(kind, s, e, recompute, gpu_opt, **cols) -> TaskTable:

@@ -87,8 +87,13 @@ def stash_fits(tasks: Tasks, seq: list[int]) -> bool:
     return True
 
 
+def host_fits(tasks: Tasks, host_mib: int) -> bool:
+    """The plan's activation buffers (``host`` MiB summed over its tasks) fit the host's budget."""
+    return tasks.host_budget is None or host_mib <= tasks.host_budget
+
+
 def evaluate(tasks: Tasks, seq: list[int]) -> float:
-    """The model's iteration time of a task sequence in seconds (inf where memory does not fit)."""
+    """The model's iteration time of a task sequence in seconds (inf where GPU or host memory does not fit)."""
     return evaluate_ticks(tasks, seq) / TICKS_PER_S
 
 
@@ -101,11 +106,11 @@ def evaluate_ticks(tasks: Tasks, seq: list[int]) -> float:
 
 
 def phase_parts(tasks: Tasks, seq: list[int]) -> tuple[int, int, int, int] | None:
-    """(forward phase, its link floor, backward phase, its link floor) in ticks; None where memory
-    does not fit."""
+    """(forward phase, its link floor, backward phase, its link floor) in ticks; None where GPU or
+    host memory does not fit."""
     d = tasks.ticks()
-    cols = d["stacked"][:, seq]            # one gather: times, exact memory, mem, wb, link columns, phase
-    if cols[7].max() > d["cap_exact"] or not stash_fits(tasks, seq):
+    cols = d["stacked"][:, seq]            # one gather: times, exact memory, mem, wb, link columns, phase, host
+    if cols[7].max() > d["cap_exact"] or not stash_fits(tasks, seq) or not host_fits(tasks, int(cols[14].sum())):
         return None
     c = cols[:7].tolist()
     mem, wb = cols[8].tolist(), cols[9].tolist()

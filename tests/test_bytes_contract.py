@@ -59,3 +59,47 @@ def test_executor_moves_the_bytes_the_simulator_charges(name):
     got = train(model, plan, steps=2, progress=False).bytes_moved[0]
     for way in ("h2d", "d2h"):
         assert got[way] / 2 == pytest.approx(sim[way], rel=tol), (name, way, got[way] / 2, sim[way])
+
+
+@pytest.mark.parametrize("name", list(_plans(8)))
+def test_host_memory_is_what_the_executor_holds(name, monkeypatch):
+    """harmony_opt.host_memory against the executor's host tensors after one iteration with Adam: the
+    master weights, the gradient buffers, the optimizer state and the activation buffers (the targets
+    aside, which no profile has); a stashed pack's host copies of its saved activations are counted
+    while they live, and the profile counts them layer by layer (a few % apart, as above)."""
+    import torch
+
+    import runtime.executor as rex
+    from harmony_opt.compiler import compile_plan
+    from harmony_opt.host_memory import host_memory
+    from harmony_opt.program import Kind
+    from runtime.optim import PackOptimizers
+    from runtime.shapes import boundary_shapes
+    from runtime.worker import updated_packs
+
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+    model = build_model("gpt2-tiny")
+    plan, tol = _plans(model.num_layers)[name]
+    program = compile_plan(plan)
+    x, y = model.make_batch(plan.batch, torch.Generator().manual_seed(0))
+    optim = PackOptimizers(model.layers, updated_packs(program, 0), lambda ps: torch.optim.Adam(ps))
+    kept = {}
+    forward = rex._HANDLERS[Kind.FWD]
+
+    def spy(ex, ins, e):        # the saved activations of the graphs a stashed pack keeps on the host
+        out = forward(ex, ins, e)
+        kept.update({k: size(s.host for s in g.saved) for k, g in ex.kept.items()})
+        return out
+    monkeypatch.setitem(rex._HANDLERS, Kind.FWD, spy)
+    ex = rex.Executor(program, 0, model.layers, optim, boundary_shapes(model.layers, x, y))
+    ex.run_iteration(0, x, y)
+    ex.close()
+    want = host_memory(plan, _profile(), get_hardware("1080ti-x4"))
+    assert size(p for layer in model.layers for p in [*layer.parameters(), *layer.buffers()]) == want.weights
+    assert size(optim.grads.values()) == want.gradients
+    state = [v for o in optim.opts.values() if o for st in o.state.values() for v in st.values() if v.dim() > 0]
+    assert size(state) == want.optimizer
+    acts = size(b for k, b in ex.host._bufs.items() if k != ("T",)) + sum(kept.values())
+    assert acts == pytest.approx(want.activations, rel=tol), (acts, want.activations)
+    assert bool(kept) == any(not o.recompute for o in plan.options)

@@ -72,6 +72,35 @@ def test_cp_sat_chain_model_is_the_best_of_every_chain(R, seed, uf, ub, tight, g
     assert evaluate(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(3, 6), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
+       st.floats(0.3, 1.0), st.sampled_from([1, 2]), st.floats(0.0, 1.0))
+def test_host_budget_keeps_the_best_chain_that_fits(R, seed, uf, ub, tight, gpus, room):
+    """A host budget between the least and the most activation buffers of any chain: CP-SAT's optimum
+    is the best chain that fits, of every chain enumerated; the Lagrangian DP (dp.within_host) returns
+    a chain that fits, and a bound between the unconstrained DP's optimum and that best chain."""
+    prof, hw, cap, cfg = _instance(R, seed, uf, ub, tight, gpus, act_scale=30)
+    tasks = build_tasks(prof, hw, 16, cfg, cap, stash=False)
+    host = tasks.ticks()["host"]
+    chains = list(_every_plan(tasks))
+    if not chains:
+        return
+    used = sorted({int(host[seq].sum()) for seq in chains})
+    tasks.host_budget = used[0] + int(room * (used[-1] - used[0]))
+    best = min(evaluate(tasks, seq) for seq in chains)          # inf for the chains that do not fit
+    assert all((evaluate(tasks, seq) == float("inf")) >= (host[seq].sum() > tasks.host_budget) for seq in chains)
+    res = chain.solve(tasks, time_limit=30, rel_gap=0.0)
+    if best == float("inf"):
+        assert res.objective is None
+        return
+    assert res.status == "OPTIMAL" and res.objective == pytest.approx(best, abs=1e-9)
+    assert host[res.sequence].sum() <= tasks.host_budget
+    free = dp.solve_chain(tasks)
+    value, seq, bound = dp.within_host(tasks)
+    assert host[seq].sum() <= tasks.host_budget and value == pytest.approx(evaluate(tasks, seq), abs=1e-12)
+    assert free[0] - 1e-9 <= bound <= best + 1e-9 <= value + 2e-9
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(4, 12), st.integers(0, 1000), st.sampled_from([2, 4]), st.floats(0.3, 1.0), st.sampled_from([2, 3]),
        st.booleans())
@@ -397,8 +426,10 @@ def test_model_counts_stashed_activations_in_their_phase_in_vpp():
     45.1 s. This one (47 of 48 packs stashed, with the saved activations of a forward microbatch of
     11 estimated from the backward sizes, docs/cost_model.md): model 62.2 s, simulator 64.9 s; both
     phases wait for the link (forward 30.0 s of traffic against 13.4 s of compute)."""
+    import dataclasses
     prof = load_profile("gpt2_xl")
-    hw = get_hardware("1080ti-x4").with_gpus(2)
+    # 47 stashed packs keep 0.36 TiB of saved activations in host memory: a host that holds them
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(2), host_memory_bytes=2**40, pinned_memory_bytes=2**40)
     cap, cfg = int(9e9), Config("vPP", 2, 11, 4)
     # the planner offers no stash variant here (tasks.stashable_layers); the model still times them
     tasks = build_tasks(prof, hw, 32, cfg, cap, stash_layers=np.ones(prof.num_layers, bool))
@@ -694,3 +725,37 @@ def test_timeline_model_reserves_the_memory_the_simulator_does(handoff):
         assert [t for _, t, _ in steps] == pytest.approx(want["time"].tolist())
     kept = [x for x in reservations(ev) if not x[1]]
     assert bool(kept) == handoff
+
+
+def test_plans_that_need_more_host_memory_than_the_server_has_are_not_returned():
+    """gpt2_xl at minibatch 64: with the preset's 256 GiB the planner picks a vDP plan whose four
+    replicas' activation buffers bring it above 40 GiB of host memory; on a server with 40 GiB
+    (26 GiB pinnable) it returns a plan that fits, and Harmony's vDP search, which does not know
+    the budget, is refused with the figures."""
+    import dataclasses
+
+    from harmony_opt.host_memory import host_memory
+    prof, cap, GiB = load_profile("gpt2_xl"), 9 * 10**9, 2**30
+    roomy = get_hardware("1080ti-x4")
+    small = dataclasses.replace(roomy, name="small-host", host_memory_bytes=40 * GiB, pinned_memory_bytes=26 * GiB)
+    opts = PlannerOptions(time_limit=3)
+    free = plan(prof, roomy, 64, opts, memory_cap=cap)
+    assert host_memory(free, prof, roomy).total > small.host_memory_bytes
+    fit = plan(prof, small, 64, opts, memory_cap=cap)
+    need = host_memory(fit, prof, small)
+    assert need.total <= small.host_memory_bytes and need.pinned <= small.pinned_memory_bytes
+    assert fit.simulated_iteration_time_s >= free.simulated_iteration_time_s
+    with pytest.raises(InfeasibleError, match=r"^harmony's plan \(vDP x4 u=\d+/\d+\) needs [\d.]+ GiB \(\d+ bytes\) "
+                                              r"of host memory \(weights and buffers 6.29 GiB, .*activation buffers"):
+        plan_harmony(prof, small, 64, cap, mode="vDP", gpus=4)
+
+
+def test_a_model_whose_state_exceeds_the_pinnable_host_memory_is_explained():
+    """Weights and gradient buffers are pinned (page-locked) on a GPU machine: gpt2_xl's 12.4 GiB of
+    them do not fit 12 GiB of pinnable memory, whatever the plan."""
+    import dataclasses
+    hw = dataclasses.replace(get_hardware("1080ti-x4"), name="few-pinned", pinned_memory_bytes=12 * 2**30)
+    with pytest.raises(InfeasibleError, match=r"^every plan of gpt2_xl needs 12.39 GiB \(\d+ bytes\) of pinned host "
+                                              r"memory \(all but the optimizer state\), more than the 12.00 GiB "
+                                              r"\(\d+ bytes\) of hardware few-pinned \(pinned_memory_bytes\)"):
+        plan(load_profile("gpt2_xl"), hw, 64, PlannerOptions(time_limit=1), memory_cap=9 * 10**9)

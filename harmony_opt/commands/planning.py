@@ -9,7 +9,9 @@ import pandas as pd
 from ..bundled import load_profile
 from ..errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from ..hardware import get_hardware
+from ..host_memory import host_memory
 from ..plan import Plan
+from ..units import fmt_bytes
 from .common import plan_profile
 
 
@@ -203,6 +205,13 @@ def _simulate(args):
     print("peak GPU memory: " + ", ".join(f"GPU{r} {b / 2**30:.2f} GiB" for r, b in tl.peak_memory().items()))
     print(f"bytes moved: host->GPU {moved['h2d'] / 1e9:.2f} GB, GPU->host {moved['d2h'] / 1e9:.2f} GB, "
           f"GPU<->GPU {moved['p2p'] / 1e9:.2f} GB")
+    host = host_memory(plan, profile, hw)
+    print(f"host memory: {fmt_bytes(host.total)} ({host.parts()}), {fmt_bytes(host.pinned)} of it pinned; "
+          f"hardware {hw.name} has {fmt_bytes(hw.host_memory_bytes)}, {fmt_bytes(hw.pinned_memory_bytes)} pinnable")
+    try:
+        host.check(hw, "this plan")
+    except InfeasibleError as e:
+        print(f"warning: {e}")
     if args.trace:
         print(f"wrote {tl.to_chrome_trace(args.trace)}")
     if args.plot:

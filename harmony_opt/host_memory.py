@@ -1,0 +1,102 @@
+"""Host memory a plan needs, against the Hardware's ``host_memory_bytes`` and ``pinned_memory_bytes``.
+
+The runtime (docs/runtime.md, "Memory") keeps in host memory, for the whole machine:
+
+* the master weights and buffers, once (shared by the rank processes; pinned);
+* every pack's optimizer state, once (each pack is stepped by one rank; pageable);
+* a gradient buffer per parameter, once (pinned: dW is swapped into it);
+* the activation buffers the Program names, one row per sample: the data, forward outputs handed
+  on through host memory (X), every backward pack's stashed input or saved activations
+  (sX, sA), gradients handed on through host memory (dX); pinned.
+
+The first three are the same for every plan of a model (``model_host_memory``): a model whose
+weights, gradients and optimizer state do not fit has no plan on that machine. Only the
+activations depend on the plan (``host_memory``, from the task graph's flows through host memory).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .errors import InfeasibleError
+from .hardware import Hardware
+from .plan import Plan
+from .profile import Profile
+from .units import fmt_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemory:
+    """Bytes in host memory during an iteration, by what holds them."""
+
+    weights: int        # master weights and buffers
+    optimizer: int      # optimizer state
+    gradients: int      # host gradient buffers
+    activations: int    # activation buffers of the plan (0: the model alone)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + self.gradients + self.activations
+
+    @property
+    def pinned(self) -> int:
+        """Page-locked on a GPU machine: everything but the optimizer state."""
+        return self.total - self.optimizer
+
+    def parts(self) -> str:
+        named = [("weights and buffers", self.weights), ("optimizer state", self.optimizer),
+                 ("gradient buffers", self.gradients), ("activation buffers", self.activations)]
+        return ", ".join(f"{name} {fmt_bytes(b)}" for name, b in named if b)
+
+    def check(self, hw: Hardware, what: str) -> None:
+        """InfeasibleError naming what does not fit, by how much, against which budget."""
+        for need, have, budget, held in ((self.total, hw.host_memory_bytes, "host_memory_bytes", self.parts()),
+                                         (self.pinned, hw.pinned_memory_bytes, "pinned_memory_bytes",
+                                          "all but the optimizer state")):
+            if need > have:
+                raise InfeasibleError(
+                    f"{what} needs {fmt_bytes(need)} ({need} bytes) of {'pinned ' if 'pinned' in budget else ''}host "
+                    f"memory ({held}), more than the {fmt_bytes(have)} ({have} bytes) of hardware {hw.name} "
+                    f"({budget}); use a hardware file with more host memory"
+                    + (", or a smaller minibatch" if self.activations else ", or a smaller model"),
+                    needed_bytes=int(need), cap_bytes=int(have))
+
+
+def model_host_memory(profile: Profile) -> HostMemory:
+    """What every plan of ``profile`` keeps in host memory, activations aside."""
+    last = profile.num_layers - 1
+    weights = int(profile.param_bytes(0, last) + profile.buffer_bytes(0, last))
+    return HostMemory(weights, int(profile.optimizer_bytes(0, last)), int(profile.grad_bytes(0, last)), 0)
+
+
+def host_memory(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory:
+    """What ``plan`` keeps in host memory: the model's share and one buffer per activation that
+    leaves a GPU for host memory (the bytes of all its microbatches, on every replica), plus the data."""
+    from .taskgraph import D2H_MEDIA, Medium, Tensor, compose
+
+    acts = 0
+    for node in compose(plan, profile, hw):
+        for f in node.inputs:
+            if f.medium == Medium.DAT and f.tensor == Tensor.X:
+                acts += f.total             # the data: every sample once
+            elif f.tensor == Tensor.SX and not (f.layers[0] == 0 and plan.options[node.bwd_index].recompute):
+                acts += f.total             # a stashed input or saved activations (layer 0's input is the data)
+        for f in node.outputs:
+            if f.tensor in (Tensor.Y, Tensor.DX) and f.medium in D2H_MEDIA:
+                acts += f.total
+    return dataclasses.replace(model_host_memory(profile), activations=int(acts))
+
+
+def activation_ceiling(profile: Profile, batch: int) -> int:
+    """More activation bytes than any plan of ``batch`` samples keeps in host memory: at every layer
+    boundary an output, a stashed input and a gradient (X, sX, dX) of every sample, and every
+    layer's saved activations (sA); activation bytes grow in proportion to the samples."""
+    lo, hi = profile.size_range("FWD")
+    inputs = profile.costs("FWD", hi).input.astype(float) / hi
+    saved = max((profile.costs("FWD", u).saved.astype(float) / u for u in (lo, hi)), key=lambda s: s.sum())
+    return int(batch * (3 * inputs.sum() + saved.sum())) + 1
+
+
+def may_bind(profile: Profile, hw: Hardware, batch: int) -> bool:
+    """Whether some plan of ``batch`` samples could exceed the host's budgets (else none needs checking)."""
+    ceiling = dataclasses.replace(model_host_memory(profile), activations=activation_ceiling(profile, batch))
+    return ceiling.total > hw.host_memory_bytes or ceiling.pinned > hw.pinned_memory_bytes
