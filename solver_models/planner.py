@@ -697,7 +697,7 @@ class _Search:
     ident: dict
     host_check: bool = False        # some plan could exceed the host's memory budgets (host_memory.may_bind)
     host_error: InfeasibleError | None = None   # the least host memory overrun of a plan judged
-    host_short: int | None = None   # MiB: the least activation buffers of a configuration none of whose plans fit
+    host_blocked: list = dataclasses.field(default_factory=list)   # configurations without a plan that fits
 
     @property
     def options(self) -> bool:          # per-pack options searched at all
@@ -782,8 +782,11 @@ class _Search:
     def infeasible(self) -> InfeasibleError:
         if self.host_error is not None:
             return self.host_error
-        if self.host_short is not None:
-            need = dataclasses.replace(model_host_memory(self.profile), activations=self.host_short * MEM_UNIT)
+        # where the host memory may be why: the least any configuration searched needs (dp.least_host)
+        least = min((m for m in (dp.least_host(self.tasks(c)) for c in self.host_blocked) if m is not None),
+                    default=None)
+        if least is not None:
+            need = dataclasses.replace(model_host_memory(self.profile), activations=least * MEM_UNIT)
             try:
                 need.check(self.hw, f"every plan of {self.profile.name} at minibatch {self.batch} searched")
             except InfeasibleError as e:
@@ -836,11 +839,8 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
         first = _first_solution(S, tasks, hint) if len(tasks.table) else None
         if first is None or not np.isfinite(first[0]):
             stats["infeasible"] += 1
-            if tasks.host_budget is not None and len(tasks.table):      # for the explanation
-                _afford_dp(S, tasks)
-                least = dp.least_host(tasks)
-                if least is not None and least > tasks.host_budget:
-                    S.host_short = min(least, S.host_short or least)
+            if tasks.host_budget is not None and len(tasks.table):
+                S.host_blocked.append(cfg)      # for the explanation, should nothing fit
             continue
         stats["evaluated"] += 1
         value, seq, dp_bound = first
@@ -906,7 +906,7 @@ def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
                        + Budget.PER_PAIR * dp.pairs(tasks))
         r = dp.solve_chain(tasks, relax_stash=True)
         if r is not None and tasks.host_budget is not None:     # the Lagrangian bound of the host budget
-            r = dp.within_host(tasks, r, lambda: _afford_dp(S, tasks), relax_stash=True)
+            r = dp.within_host(tasks, r, lambda: _afford_dp(S, tasks), steps=3, relax_stash=True)
             r = None if r is None else (r[2], r[1])
         value = r[0] if r is not None else float("inf")
         if kept:
