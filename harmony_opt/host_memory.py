@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .errors import InfeasibleError
 from .hardware import Hardware
 from .plan import Plan
@@ -86,14 +88,30 @@ def host_memory(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory:
     return dataclasses.replace(model_host_memory(profile), activations=int(acts))
 
 
-def activation_ceiling(profile: Profile, batch: int) -> int:
-    """More activation bytes than any plan of ``batch`` samples keeps in host memory: at every layer
-    boundary an output, a stashed input and a gradient (X, sX, dX) of every sample, and every
-    layer's saved activations (sA); activation bytes grow in proportion to the samples."""
-    lo, hi = profile.size_range("FWD")
-    inputs = profile.costs("FWD", hi).input.astype(float) / hi
-    saved = max((profile.costs("FWD", u).saved.astype(float) / u for u in (lo, hi)), key=lambda s: s.sum())
-    return int(batch * (3 * inputs.sum() + saved.sum())) + 1
+def activation_ceiling(profile: Profile, batch: int, boundaries=None, stashed=None) -> int:
+    """More activation bytes than any plan of ``batch`` samples keeps in host memory (of a plan whose
+    packs start or end at ``boundaries``, stashing the layers ``stashed``; default: every one): at each
+    boundary an output, a stashed input and a gradient (X, sX, dX) of every sample, and the saved
+    activations (sA) of the stashed layers; activation bytes grow in proportion to the samples."""
+    sizes = [profile.costs(phase, u) for phase in ("FWD", "BWD") for u in profile.sizes(phase)]
+    inputs = np.max([c.input.astype(float) / c.u for c in sizes], axis=0)      # per sample, the most
+    saved = np.max([c.saved.astype(float) / c.u for c in sizes], axis=0)
+    at = slice(None) if boundaries is None else np.asarray(sorted(set(boundaries)), int)
+    layers = slice(None) if stashed is None else np.asarray(sorted(set(stashed)), int)
+    return int(batch * (3 * inputs[at].sum() + saved[layers].sum())) + 1 + int(batch * inputs[0])
+
+
+def fits(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory | None:
+    """None where ``plan`` fits the host's budgets, else what it needs; counted exactly
+    (``host_memory``) only where a quick ceiling of its buffers does not already fit."""
+    packs = [*plan.packs_fwd, *plan.packs_bwd]
+    stashed = [l for (a, b), o in zip(plan.packs_bwd, plan.options) if not o.recompute for l in range(a, b + 1)]
+    quick = dataclasses.replace(model_host_memory(profile), activations=activation_ceiling(
+        profile, plan.batch, [a for a, _ in packs] + [b + 1 for _, b in packs if b + 1 < profile.num_layers], stashed))
+    if quick.total <= hw.host_memory_bytes and quick.pinned <= hw.pinned_memory_bytes:
+        return None
+    need = host_memory(plan, profile, hw)
+    return None if need.total <= hw.host_memory_bytes and need.pinned <= hw.pinned_memory_bytes else need
 
 
 def may_bind(profile: Profile, hw: Hardware, batch: int) -> bool:

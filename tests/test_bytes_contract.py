@@ -103,3 +103,24 @@ def test_host_memory_is_what_the_executor_holds(name, monkeypatch):
     acts = size(b for k, b in ex.host._bufs.items() if k != ("T",)) + sum(kept.values())
     assert acts == pytest.approx(want.activations, rel=tol), (acts, want.activations)
     assert bool(kept) == any(not o.recompute for o in plan.options)
+
+
+def test_the_quick_host_ceiling_is_never_below_the_count():
+    """host_memory.fits skips the exact count where a ceiling of the plan's buffers fits: the ceiling
+    must hold for every kind of plan (stash, naive swapping, uneven vDP, kept gradients, Harmony's)."""
+    from harmony_opt.baselines import plan_harmony
+    from harmony_opt.bundled import load_profile
+    from harmony_opt.host_memory import activation_ceiling, host_memory
+
+    def ceiling(plan, prof):
+        packs = [*plan.packs_fwd, *plan.packs_bwd]
+        stashed = [l for (a, b), o in zip(plan.packs_bwd, plan.options) if not o.recompute for l in range(a, b + 1)]
+        return activation_ceiling(prof, plan.batch, [a for a, _ in packs] + [b + 1 for _, b in packs
+                                                                             if b + 1 < prof.num_layers], stashed)
+    hw = get_hardware("1080ti-x4")
+    cases = [(plan, _profile()) for plan, _ in _plans(8).values()]
+    for name in ("gpt2_xl", "vgg416", "bert_96"):
+        cases += [(plan_harmony(load_profile(name), hw, 64, 10 * 2**30, mode=m, gpus=4), load_profile(name))
+                  for m in ("vPP", "vDP")]
+    for plan, prof in cases:
+        assert ceiling(plan, prof) >= host_memory(plan, prof, hw).activations > 0

@@ -1,5 +1,6 @@
 """The command line as a user meets it: output, files, one-line errors with exit code 2."""
 import json
+import re
 
 import pytest
 
@@ -37,6 +38,10 @@ def test_baseline_then_simulate(capsys, tmp_path):
                        "--trace", str(tmp_path / "t.json"))
     assert rc == 0, err
     assert "iteration time" in out and (tmp_path / "g.png").exists() and (tmp_path / "t.json").exists()
+    # the plan's host memory beside the hardware's budgets (harmony_opt.host_memory)
+    assert re.search(r"^host memory: [\d.]+ GiB \(weights and buffers [\d.]+ GiB, optimizer state .*activation "
+                     r"buffers .*hardware 1080ti-x4 has 256.00 GiB, 192.00 GiB pinnable$", out, re.M), out
+    assert "warning" not in out
 
 
 @pytest.mark.parametrize("argv,fragment", [
