@@ -51,14 +51,14 @@ class HostMemory:
 
     def check(self, hw: Hardware, what: str) -> None:
         """InfeasibleError naming what does not fit, by how much, against which budget."""
-        for need, have, budget, held in ((self.total, hw.host_memory_bytes, "host_memory_bytes", self.parts()),
-                                         (self.pinned, hw.pinned_memory_bytes, "pinned_memory_bytes",
-                                          "all but the optimizer state")):
+        for need, have, kind, budget, held in (
+                (self.total, hw.host_memory_bytes, "host", "host_memory_bytes", self.parts()),
+                (self.pinned, hw.pinned_memory_bytes, "pinned host", "pinned_memory_bytes", "all but the optimizer state")):
             if need > have:
                 raise InfeasibleError(
-                    f"{what} needs {fmt_bytes(need)} ({need} bytes) of {'pinned ' if 'pinned' in budget else ''}host "
-                    f"memory ({held}), more than the {fmt_bytes(have)} ({have} bytes) of hardware {hw.name} "
-                    f"({budget}); use a hardware file with more host memory"
+                    f"{what} needs {fmt_bytes(need)} ({need} bytes) of {kind} memory ({held}), more than the "
+                    f"{fmt_bytes(have)} ({have} bytes) of hardware {hw.name} ({budget}); use a hardware file with "
+                    f"more host memory"
                     + (", or a smaller minibatch" if self.activations else ", or a smaller model"),
                     needed_bytes=int(need), cap_bytes=int(have))
 
@@ -101,8 +101,8 @@ def activation_ceiling(profile: Profile, batch: int, boundaries=None, stashed=No
     return int(batch * (3 * inputs[at].sum() + saved[layers].sum())) + 1 + int(batch * inputs[0])
 
 
-def fits(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory | None:
-    """None where ``plan`` fits the host's budgets, else what it needs; counted exactly
+def overrun(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory | None:
+    """What ``plan`` needs where that exceeds the host's budgets, else None; counted exactly
     (``host_memory``) only where a quick ceiling of its buffers does not already fit."""
     packs = [*plan.packs_fwd, *plan.packs_bwd]
     stashed = [l for (a, b), o in zip(plan.packs_bwd, plan.options) if not o.recompute for l in range(a, b + 1)]

@@ -42,7 +42,7 @@ from harmony_opt.bound import lower_bound
 from harmony_opt.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from harmony_opt.hardware import Hardware
 from harmony_opt.harmony_compat import simulate_harmony
-from harmony_opt.host_memory import fits, may_bind, model_host_memory
+from harmony_opt.host_memory import may_bind, model_host_memory, overrun
 from harmony_opt.memory import explain_infeasible, max_pack_end
 from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.profile import Profile
@@ -765,7 +765,7 @@ class _Search:
         explanation where no plan fits."""
         if not self.host_check:
             return True
-        need = fits(plan_, self.profile, self.hw)
+        need = overrun(plan_, self.profile, self.hw)
         if need is None:
             return True
         try:

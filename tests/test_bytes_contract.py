@@ -106,7 +106,7 @@ def test_host_memory_is_what_the_executor_holds(name, monkeypatch):
 
 
 def test_the_quick_host_ceiling_is_never_below_the_count():
-    """host_memory.fits skips the exact count where a ceiling of the plan's buffers fits: the ceiling
+    """host_memory.overrun skips the exact count where a ceiling of the plan's buffers fits: the ceiling
     must hold for every kind of plan (stash, naive swapping, uneven vDP, kept gradients, Harmony's)."""
     from harmony_opt.baselines import plan_harmony
     from harmony_opt.bundled import load_profile

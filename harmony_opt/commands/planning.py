@@ -100,8 +100,8 @@ def _show(df: pd.DataFrame, width: int = 40) -> str:
     return "\n".join([df.to_string(index=False), *below])
 
 
-def _host_line(plan: Plan, profile, hw) -> str:
-    host = host_memory(plan, profile, hw)
+def _host_line(host, hw) -> str:
+    """A plan's host memory (host_memory.HostMemory) beside the hardware's budgets."""
     return (f"host memory: {fmt_bytes(host.total)} ({host.parts()}), {fmt_bytes(host.pinned)} of it pinned; "
             f"hardware {hw.name} has {fmt_bytes(hw.host_memory_bytes)}, {fmt_bytes(hw.pinned_memory_bytes)} pinnable")
 
@@ -146,7 +146,7 @@ def _plan(args):
     print(f"plan: {_describe(p)}, {sum(not o.recompute for o in p.options)} stashed pack(s), "
           f"{sum(o.optimizer == 'gpu' for o in p.options)} GPU optimizer step(s)")
     print(f"simulated iteration time {p.simulated_iteration_time_s:.4f} s ({p.cost_model} cost model)")
-    print(_host_line(p, profile, hw))
+    print(_host_line(host_memory(p, profile, hw), hw))
     for line in solver_summary(s):
         print(line)
     print(f"search {p.search_time_s:.2f} s; lower bound over all plans {s['lower_bound_s']:.4f} s, "
@@ -212,9 +212,10 @@ def _simulate(args):
     print("peak GPU memory: " + ", ".join(f"GPU{r} {b / 2**30:.2f} GiB" for r, b in tl.peak_memory().items()))
     print(f"bytes moved: host->GPU {moved['h2d'] / 1e9:.2f} GB, GPU->host {moved['d2h'] / 1e9:.2f} GB, "
           f"GPU<->GPU {moved['p2p'] / 1e9:.2f} GB")
-    print(_host_line(plan, profile, hw))
+    host = host_memory(plan, profile, hw)
+    print(_host_line(host, hw))
     try:
-        host_memory(plan, profile, hw).check(hw, "this plan")
+        host.check(hw, "this plan")
     except InfeasibleError as e:
         print(f"warning: {e}")
     if args.trace:
