@@ -41,6 +41,7 @@ class FuzzCase:
     mode: str = "auto"         # for cp-sat and harmony
     use_gpus: int | None = None
     time_limit: float = 1.0    # CP-SAT seconds
+    host_factor: float | None = None   # host memory = the model's + this x the activation ceiling (None: ample)
 
 
 def random_profile(R: int, seed: int) -> Profile:
@@ -86,8 +87,9 @@ def random_profile(R: int, seed: int) -> Profile:
     return Profile(f"fuzz-R{R}-s{seed}", layers, pd.concat(frames, ignore_index=True), {"model": "fuzz"})
 
 
-def random_hardware(profile: Profile, gpus: int, cap_factor: float, seed: int) -> Hardware:
-    """A server whose memory cap is ``cap_factor`` times the largest layer's smallest backward peak."""
+def random_hardware(profile: Profile, gpus: int, cap_factor: float, seed: int, host: int = 2**50) -> Hardware:
+    """A server whose memory cap is ``cap_factor`` times the largest layer's smallest backward peak,
+    with ``host`` bytes of host memory (all of it pinnable, or half where it is ample)."""
     rng = np.random.default_rng(seed + 1)
     u0 = profile.size_range("BWD")[0]
     need = int(profile.costs("BWD", u0).memory.max())
@@ -95,7 +97,8 @@ def random_hardware(profile: Profile, gpus: int, cap_factor: float, seed: int) -
     h2d = float(rng.uniform(1, 60)) * GB
     shared = bool(rng.random() < 0.7)
     return Hardware(
-        name=f"fuzz-{gpus}gpu", gpus=gpus, gpu_memory_bytes=cap, host_memory_bytes=2**50, pinned_memory_bytes=2**49,
+        name=f"fuzz-{gpus}gpu", gpus=gpus, gpu_memory_bytes=cap, host_memory_bytes=host,
+        pinned_memory_bytes=host if host < 2**50 else 2**49,
         h2d_bandwidth=h2d, d2h_bandwidth=float(rng.uniform(1, 60)) * GB, shared_host_link=shared,
         link_bandwidth=h2d * int(rng.integers(1, gpus + 1)) if shared and rng.random() < 0.5 else None,
         p2p_bandwidth=0.0 if rng.random() < 0.4 else float(rng.uniform(1, 100)) * GB,
@@ -104,8 +107,11 @@ def random_hardware(profile: Profile, gpus: int, cap_factor: float, seed: int) -
 
 
 def build(case: FuzzCase) -> tuple[Profile, Hardware]:
+    from .host_memory import activation_ceiling, model_host_memory
     profile = random_profile(case.layers, case.seed)
-    return profile, random_hardware(profile, case.gpus, case.cap_factor, case.seed)
+    host = 2**50 if case.host_factor is None else \
+        max(1, model_host_memory(profile).total + int(case.host_factor * activation_ceiling(profile, case.batch)))
+    return profile, random_hardware(profile, case.gpus, case.cap_factor, case.seed, host)
 
 
 def run_planner(name: str, profile: Profile, hw: Hardware, case: FuzzCase) -> Plan:
@@ -134,6 +140,11 @@ def check_plan(plan: Plan, profile: Profile, hw: Hardware, cap: int, name: str) 
     tl = simulate(plan, profile, hw, memory_cap=cap, with_timeline=False)
     peak = max(tl.peak_memory().values(), default=0)
     assert peak <= cap, f"{where}: simulated peak {peak} bytes exceeds the cap {cap}"
+    from .host_memory import host_memory
+    host = host_memory(plan, profile, hw)
+    assert host.total <= hw.host_memory_bytes and host.pinned <= hw.pinned_memory_bytes, \
+        f"{where}: needs {host.total} bytes of host memory ({host.pinned} pinned), the host has " \
+        f"{hw.host_memory_bytes} ({hw.pinned_memory_bytes})"
     t = plan.simulated_iteration_time_s
     assert t is not None and math.isfinite(t) and t >= 0, f"{where}: simulated_iteration_time_s {t!r}"
     assert math.isclose(t, tl.iteration_time, rel_tol=1e-9, abs_tol=1e-12), \
@@ -177,4 +188,5 @@ def random_case(rng: np.random.Generator, max_layers: int = 1200, time_limit: fl
         layers=R, seed=int(rng.integers(0, 2**31)), batch=int(rng.integers(1, 65)), gpus=gpus,
         cap_factor=float(np.exp(rng.uniform(np.log(0.7), np.log(40)))),
         mode=str(rng.choice(["auto", "vPP", "vDP"])),
-        use_gpus=None if rng.random() < 0.5 else int(rng.integers(1, gpus + 1)), time_limit=time_limit)
+        use_gpus=None if rng.random() < 0.5 else int(rng.integers(1, gpus + 1)), time_limit=time_limit,
+        host_factor=None if rng.random() < 0.7 else float(rng.uniform(0, 0.6)))

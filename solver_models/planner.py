@@ -285,7 +285,9 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     bound = 0.0
     for k in range(len(timers)):
         one, ends, few = serial(k)
-        best_ends = np.max([(total + mus * ends[None, :] / n).max(axis=0) for total, mus in totals], axis=0)
+        with np.errstate(invalid="ignore"):     # a start no packing reaches: its ends are inf, weighed 0 at mu = 0
+            best_ends = np.max([(total + np.where(mus > 0, mus * ends[None, :], 0.0) / n).max(axis=0)
+                                for total, mus in totals], axis=0)
         bound = max(bound, float(np.min(np.maximum.reduce([best, np.broadcast_to(one, best.shape),
                                                             np.minimum(best_ends, few)]))))
     return bound
@@ -472,8 +474,10 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     zero = np.zeros(R)
 
     best = np.full(len(fits), math.inf)
-    prev, L = 0.0, float(max(rest_f[0], rest_b[0]))
     hi = min(upto - float(base.min()), max(pre_f[-1], pre_b[-1]))     # above: every packing
+    # any first threshold above 0 gives a valid bound (the first band is every packing under it); at
+    # least 1e-4 of the range, so a first layer that takes no time cannot stall the grid at 0
+    prev, L = 0.0, max(float(max(rest_f[0], rest_b[0])), 1e-4 * hi)
     while True:
         final = L >= hi
         if final:                   # every packing above the previous threshold

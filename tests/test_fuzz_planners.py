@@ -22,7 +22,8 @@ def cases(draw, max_layers: int = 30):
         batch=draw(st.integers(1, 64)), gpus=gpus,
         cap_factor=draw(st.floats(0.7, 40, allow_nan=False)),
         mode=draw(st.sampled_from(["auto", "vPP", "vDP"])),
-        use_gpus=draw(st.none() | st.integers(1, gpus)), time_limit=1.0)
+        use_gpus=draw(st.none() | st.integers(1, gpus)), time_limit=1.0,
+        host_factor=draw(st.none() | st.floats(0.0, 0.6, allow_nan=False)))
 
 
 _CI = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -759,3 +759,28 @@ def test_a_model_whose_state_exceeds_the_pinnable_host_memory_is_explained():
                                               r"memory \(all but the optimizer state\), more than the 12.00 GiB "
                                               r"\(\d+ bytes\) of hardware few-pinned \(pinned_memory_bytes\)"):
         plan(load_profile("gpt2_xl"), hw, 64, PlannerOptions(time_limit=1), memory_cap=9 * 10**9)
+
+
+def test_vpp_path_bound_ends_where_the_first_layer_takes_no_time():
+    """Its grid of thresholds started at the first layer's compute and grew by 3 % a step: a first
+    layer of no time (random profiles have them) kept it at 0 for ever (found by fuzzing with host
+    budgets, harmony_opt.fuzzing). An alarm turns a hang into a failure."""
+    import signal
+
+    from harmony_opt.profile import Profile
+    base = synthetic_profile(R=4, seed=3)
+    micro = base.microbatch.copy()
+    micro.loc[micro.layer == 0, "gpu_time_s"] = 0.0
+    prof = Profile("zero-first", base.layers, micro, {"model": "zero-first"})
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+
+    def hang(*_):
+        raise TimeoutError("pipeline_path_bound did not return in 30 s")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(30)
+    try:
+        bound = pipeline_path_bound(prof, hw, 8, Config("vPP", 2, 2, 2), 10 * 2**30, False)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert 0 < bound < float("inf")
