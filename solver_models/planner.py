@@ -49,7 +49,7 @@ from harmony_opt.profile import Profile
 from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
-from .tasks import (MAX_LAYERS_WITH_STASH, MEM_UNIT, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
+from .tasks import (MAX_ARCS_PER_START, MAX_LAYERS_WITH_STASH, MEM_UNIT, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
                     forward_costs, link_capacity, link_rates, stash_out_exposed, stashable_layers)
 from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
@@ -737,9 +737,11 @@ class _Search:
         short = max(0.3, 0.1 * timeline_slowness(events))
         return min(0.3 * self.budget.total, Budget.PER_TIMELINE_EVENT * events + short)
 
-    def tasks(self, cfg: Config, stash: bool = False, cuts=None, keep=()) -> Tasks:
+    def tasks(self, cfg: Config, stash: bool = False, cuts=None, keep=(), per_start: int = MAX_ARCS_PER_START
+              ) -> Tasks:
         tasks = build_tasks(self.profile, self.hw, self.batch, cfg, self.cap, gpu_opt=self.options, stash=stash,
-                            cuts=candidate_cuts(self.profile, cfg.u_bwd, keep=keep) if cuts is None else cuts)
+                            cuts=candidate_cuts(self.profile, cfg.u_bwd, keep=keep) if cuts is None else cuts,
+                            per_start=per_start)
         self.budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
         return tasks
 
@@ -1007,7 +1009,9 @@ def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
             continue
         tasks, seq = c.tasks, c.seq
         if S.stash(c.cfg):
-            tasks = S.tasks(c.cfg, stash=True, cuts=c.tasks.cuts)
+            # the same candidate packs as ``c``'s (its packs at every layer boundary, _every_boundary,
+            # are not all among the longest per start)
+            tasks = S.tasks(c.cfg, stash=True, cuts=c.tasks.cuts, per_start=c.tasks.per_start)
             seq = _carried(c, tasks)
         lay, size = None, len(tasks.table)
         if c.cfg.ranks > 1:

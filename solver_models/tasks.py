@@ -132,6 +132,7 @@ class Tasks:
     saved_fwd: np.ndarray | None       # bytes per layer a stashed layer adds to its forward pack
     cuts: np.ndarray                   # boundaries where packs may start/end (all, unless coarsened)
     host_budget: int | None = None     # MiB of host memory left for the tasks' ``host`` (None: cannot bind)
+    per_start: int = MAX_ARCS_PER_START   # candidate packs per start boundary (the longest), build_tasks'
     _ticks: dict | None = dataclasses.field(default=None, repr=False)
 
     def ticks(self) -> dict:
@@ -433,7 +434,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     table = TaskTable.concat(parts)
     saved = np.asarray(cf.saved, np.float64) if stash_ok else None
     return Tasks(cfg, table, R, int(cap), link_capacity(hw, n), copies if cfg.mode == "vDP" else 1, saved, cuts,
-                 host_budget(profile, hw, batch))
+                 host_budget(profile, hw, batch), per_start)
 
 
 def host_budget(profile: Profile, hw: Hardware, batch: int) -> int | None:
