@@ -12,7 +12,7 @@ from harmony_opt.simulator import simulate
 from solver_models import chain, dp, pipeline, search
 from solver_models.planner import PlannerOptions, config_bound, pipeline_path_bound, plan
 from solver_models.tasks import Config, build_tasks, candidate_cuts, stashable_layers
-from solver_models.timing import evaluate, packs_of, phase_parts, sequence_of
+from solver_models.timing import evaluate, pack_starts, packs_of, phase_parts, sequence_of, sequence_of_plan
 
 from conftest import synthetic_profile
 
@@ -784,3 +784,19 @@ def test_vpp_path_bound_ends_where_the_first_layer_takes_no_time():
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert 0 < bound < float("inf")
+
+
+@pytest.mark.parametrize("name,mode,gpus,batch", [("gpt2_xl", "vPP", 4, 64), ("gpt2_xl", "vDP", 4, 64),
+                                                  ("vgg416", "vDP", 4, 64), ("gpt2_xl", "vPP", 1, 64),
+                                                  ("bert_96", "vDP", 2, 30)])
+def test_the_models_host_column_is_what_host_memory_counts(name, mode, gpus, batch):
+    """The budget the models keep (tasks.host, summed over a plan's tasks) is the activation buffers
+    harmony_opt.host_memory counts from the task graph, to the byte: P2P or host handoffs, re-batched
+    criterion inputs, uneven vDP shares, the data."""
+    from harmony_opt.host_memory import host_memory
+    prof, hw = load_profile(name), get_hardware("1080ti-x4").with_gpus(gpus)
+    p = plan_harmony(prof, hw, batch, 9 * 10**9, mode=mode, gpus=gpus)
+    cfg = Config.of(p)
+    tasks = build_tasks(prof, hw, batch, cfg, 9 * 10**9, stash=False,
+                        cuts=candidate_cuts(prof, cfg.u_bwd, keep=pack_starts(p)))
+    assert int(tasks.table.host[sequence_of_plan(tasks, p)].sum()) == host_memory(p, prof, hw).activations
