@@ -23,7 +23,7 @@ import numpy as np
 from .errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from .hardware import Hardware
 from .memory import check_layers_fit, max_pack_end
-from .host_memory import overrun
+from .host_memory import require_fits
 from .plan import Plan, data_shares, split_microbatches
 from .profile import Profile
 from .units import fmt_bytes
@@ -177,9 +177,8 @@ def _best_by_size(make: Callable[[int], Plan | None], sizes, profile, hw, name, 
 def _fits_host(plan: Plan, profile: Profile, hw: Hardware) -> Plan:
     """``plan``, or InfeasibleError where it needs more host memory than ``hw`` has: the baselines search
     as their authors did, without that budget, so their best plan is checked afterwards."""
-    need = overrun(plan, profile, hw)
-    if need is not None:
-        need.check(hw, f"{plan.planner}'s plan ({plan.mode} x{plan.gpus} u={plan.microbatch_fwd}/{plan.microbatch_bwd})")
+    require_fits(plan, profile, hw, f"{plan.planner}'s plan ({plan.mode} x{plan.gpus} "
+                                    f"u={plan.microbatch_fwd}/{plan.microbatch_bwd})")
     return plan
 
 

@@ -16,6 +16,7 @@ activations depend on the plan (``host_memory``, from the task graph's flows thr
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -88,14 +89,21 @@ def host_memory(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory:
     return dataclasses.replace(model_host_memory(profile), activations=int(acts))
 
 
+@functools.lru_cache(maxsize=8)
+def _per_sample(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, the most input and saved-activation bytes per sample at any profiled size (built
+    once per profile: every configuration's task table asks, tasks.host_budget)."""
+    sizes = [profile.costs(phase, u) for phase in ("FWD", "BWD") for u in profile.sizes(phase)]
+    return (np.max([c.input.astype(float) / c.u for c in sizes], axis=0),
+            np.max([c.saved.astype(float) / c.u for c in sizes], axis=0))
+
+
 def activation_ceiling(profile: Profile, batch: int, boundaries=None, stashed=None) -> int:
     """More activation bytes than any plan of ``batch`` samples keeps in host memory (of a plan whose
     packs start or end at ``boundaries``, stashing the layers ``stashed``; default: every one): at each
     boundary an output, a stashed input and a gradient (X, sX, dX) of every sample, and the saved
     activations (sA) of the stashed layers; activation bytes grow in proportion to the samples."""
-    sizes = [profile.costs(phase, u) for phase in ("FWD", "BWD") for u in profile.sizes(phase)]
-    inputs = np.max([c.input.astype(float) / c.u for c in sizes], axis=0)      # per sample, the most
-    saved = np.max([c.saved.astype(float) / c.u for c in sizes], axis=0)
+    inputs, saved = _per_sample(profile)
     at = slice(None) if boundaries is None else np.asarray(sorted(set(boundaries)), int)
     layers = slice(None) if stashed is None else np.asarray(sorted(set(stashed)), int)
     return int(batch * (3 * inputs[at].sum() + saved[layers].sum())) + 1 + int(batch * inputs[0])
@@ -112,6 +120,13 @@ def overrun(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory | None:
         return None
     need = host_memory(plan, profile, hw)
     return None if need.total <= hw.host_memory_bytes and need.pinned <= hw.pinned_memory_bytes else need
+
+
+def require_fits(plan: Plan, profile: Profile, hw: Hardware, what: str) -> None:
+    """InfeasibleError naming the budget ``plan`` (called ``what``) exceeds and by how much, if any."""
+    need = overrun(plan, profile, hw)
+    if need is not None:
+        need.check(hw, what)
 
 
 def may_bind(profile: Profile, hw: Hardware, batch: int) -> bool:

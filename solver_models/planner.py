@@ -42,7 +42,7 @@ from harmony_opt.bound import lower_bound
 from harmony_opt.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from harmony_opt.hardware import Hardware
 from harmony_opt.harmony_compat import simulate_harmony
-from harmony_opt.host_memory import may_bind, model_host_memory, overrun
+from harmony_opt.host_memory import may_bind, model_host_memory, require_fits
 from harmony_opt.memory import explain_infeasible, max_pack_end
 from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.profile import Profile
@@ -771,13 +771,10 @@ class _Search:
         explanation where no plan fits."""
         if not self.host_check:
             return True
-        need = overrun(plan_, self.profile, self.hw)
-        if need is None:
-            return True
         try:
-            need.check(
-                self.hw, f"plan {plan_.mode} x{plan_.gpus} u={plan_.microbatch_fwd}/{plan_.microbatch_bwd} of "
-                         f"{self.profile.name} at minibatch {self.batch}")
+            require_fits(plan_, self.profile, self.hw, f"plan {plan_.mode} x{plan_.gpus} u={plan_.microbatch_fwd}/"
+                                                       f"{plan_.microbatch_bwd} of {self.profile.name} at minibatch "
+                                                       f"{self.batch}")
         except InfeasibleError as e:
             if self.host_error is None or e.needed_bytes < self.host_error.needed_bytes:
                 self.host_error = e
