@@ -41,16 +41,20 @@ def _sequence(tasks: Tasks, fcuts, bcuts, s: int, opts=None) -> list[int] | None
 def balanced(tasks: Tasks, profile, n_fwd: int, n_bwd: int, s: int) -> list[int] | None:
     """Forward and backward packs of about equal compute time over layers 0..s-1 (at the candidate
     boundaries nearest to equal shares), the criterion pack [s, R-1]."""
-    cuts = tasks.cuts
+    return _sequence(tasks, _equal_cuts(tasks, profile, "FWD", n_fwd, s),
+                     _equal_cuts(tasks, profile, "BWD", n_bwd, s), s)
 
-    def split(phase, u, k):
-        if s <= 0 or k <= 1:
-            return []
-        t = profile.costs(phase, u).pack_time(0, np.arange(-1, s))     # prefix sums of the layer times
-        pos = np.clip(np.searchsorted(t, t[-1] * np.arange(1, k) / k), 1, s - 1)
-        snapped = cuts[np.clip(np.searchsorted(cuts, pos), 0, len(cuts) - 1)]
-        return sorted({int(c) for c in snapped if 0 < c < s})
-    return _sequence(tasks, split("FWD", tasks.cfg.u_fwd, n_fwd), split("BWD", tasks.cfg.u_bwd, n_bwd), s)
+
+def _equal_cuts(tasks: Tasks, profile, phase: str, k: int, s: int) -> list[int]:
+    """The candidate boundaries nearest to k equal shares of layers 0..s-1's compute time."""
+    if s <= 0 or k <= 1:
+        return []
+    u = tasks.cfg.u_fwd if phase == "FWD" else tasks.cfg.u_bwd
+    t = profile.costs(phase, u).pack_time(0, np.arange(-1, s))     # prefix sums of the layer times
+    cuts = tasks.cuts
+    pos = np.clip(np.searchsorted(t, t[-1] * np.arange(1, k) / k), 1, s - 1)
+    snapped = cuts[np.clip(np.searchsorted(cuts, pos), 0, len(cuts) - 1)]
+    return sorted({int(c) for c in snapped if 0 < c < s})
 
 
 def minmax_cuts(prefix: np.ndarray, most: int) -> np.ndarray:
@@ -138,14 +142,21 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
     n = tasks.cfg.ranks
     grid = {1, 2, 4, 8, 16, 32, n, 2 * n, 3 * n, 4 * n}
     fewest_f, fewest_b = min_packs(tasks, F), min_packs(tasks, B)
+    idx = tasks.table.index()
     for s in sorted({int(crit[0]), int(crit[min(len(crit) - 1, 1)]), int(crit[len(crit) // 4])}):
         # around the fewest packs memory allows (equal-time packs may need a few more)
         least = [int(m) for m in (fewest_f[s], fewest_b[s]) if 0 < m < 10**9]
         counts = sorted(grid | {int(np.ceil(m * f)) for m in least for f in (1, 1.25, 1.5, 2)})
+        # balanced(tasks, profile, nf, nb, s) for every pair of counts, each phase's packs looked up once
+        fwd = {n: _rows(idx, F, _cut_packs(_equal_cuts(tasks, profile, "FWD", n, s), 0, s - 1) if s > 0 else [])
+               for n in counts}
+        bwd = {n: _rows(idx, B, _cut_packs(_equal_cuts(tasks, profile, "BWD", n, s), 0, s - 1) if s > 0 else [])
+               for n in counts}
+        crit_row = idx.get((C, s, tasks.num_layers - 1, True, False))
         for nf in counts:
             for nb in counts:
-                seq = balanced(tasks, profile, nf, nb, s)
-                if seq is not None:
+                if crit_row is not None and fwd[nf] is not None and bwd[nb] is not None:
+                    seq = fwd[nf] + [crit_row] + bwd[nb][::-1]
                     out.append((evaluate(tasks, seq), seq))
     work = sum(len(seq) for _, seq in out)
     out = [o for o in out if np.isfinite(o[0])]
@@ -156,6 +167,12 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
             seen.add(tuple(seq))
             uniq.append((v, seq))
     return uniq[:tries], work
+
+
+def _rows(idx: dict, kind: int, packs: list[tuple[int, int]]) -> list[int] | None:
+    """The rows of ``packs`` of one kind (recomputed, optimizer on the CPU), None if one is not a candidate."""
+    rows = [idx.get((kind, a, b, True, False)) for a, b in packs]
+    return None if None in rows else rows
 
 
 def _parts(tasks: Tasks, seq: list[int]):

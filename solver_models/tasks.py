@@ -110,7 +110,9 @@ class TaskTable:
     def index(self) -> dict:
         """{key: row} (built once)."""
         if self._index is None:
-            self._index = {self.key(k): k for k in range(len(self))}
+            keys = zip(self.kind.tolist(), self.start.tolist(), self.end.tolist(),
+                       map(bool, self.recompute.tolist()), map(bool, self.gpu_opt.tolist()))
+            self._index = {key: k for k, key in enumerate(keys)}
         return self._index
 
     @staticmethod
@@ -168,8 +170,13 @@ def min_packs(tasks: "Tasks", kind: int) -> np.ndarray:
     sel = np.flatnonzero(t.kind == kind)
     best = np.full(R + 1, 10**9)
     best[0] = 0
-    for k in sel[np.argsort(t.start[sel], kind="stable")]:
-        best[t.end[k] + 1] = min(best[t.end[k] + 1], best[t.start[k]] + 1)
+    starts, ends = t.start[sel], t.end[sel] + 1
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    bounds = np.flatnonzero(np.diff(starts)) + 1
+    for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(starts)]):     # best[start] is final by then
+        if lo < hi:
+            np.minimum.at(best, ends[lo:hi], best[starts[lo]] + 1)
     return best
 
 

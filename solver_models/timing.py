@@ -112,15 +112,14 @@ def phase_parts(tasks: Tasks, seq: list[int]) -> tuple[int, int, int, int] | Non
     cols = d["stacked"][:, seq]            # one gather: times, exact memory, mem, wb, link columns, phase, host
     if cols[7].max() > d["cap_exact"] or not stash_fits(tasks, seq) or not host_fits(tasks, int(cols[14].sum())):
         return None
-    c = cols[:7].tolist()
-    mem, wb = cols[8].tolist(), cols[9].tolist()
     link_in, link_out, out_fwd, bwd = cols[10], cols[11], cols[12], cols[13].astype(bool)
     crit = int((~bwd).sum()) - 1
     if tasks.cfg.ranks > 1:
-        T, e_crit = _pipeline_time(*c, mem, wb, d["cap"], tasks.cfg.ranks, crit)
+        T, e_crit = _pipeline_time(*cols[:7].tolist(), cols[8].tolist(), cols[9].tolist(), d["cap"],
+                                   tasks.cfg.ranks, crit)
         fwd_part, bwd_part = e_crit, T - e_crit
     else:
-        fwd_part, bwd_part = _chain_time(*c, mem, wb, d["cap"], crit)
+        fwd_part, bwd_part = _chain_time(*cols[:7], cols[8], cols[9], d["cap"], crit)
     # the forward phase (through the criterion pack) and the backward phase each take at least
     # their own traffic on the shared link
     fwd_link = max(int(link_in[~bwd].sum()), int(out_fwd.sum()))
@@ -130,39 +129,54 @@ def phase_parts(tasks: Tasks, seq: list[int]) -> tuple[int, int, int, int] | Non
 
 def _pipeline_time(p1, pl, load, hop, wl, tail, upd, mem, wb, cap, n, crit: int) -> tuple[int, int]:
     """The recurrence of the module docstring, tasks at positions j on GPU j mod n: the iteration
-    time and the end of the criterion pack (position ``crit``)."""
-    S, E, FREE = [0] * len(p1), [0] * len(p1), [0] * len(p1)
-    T = 0
-    for j in range(len(p1)):
-        s = max(hop[j], wl[j]) if j == 0 else S[j - 1] + p1[j - 1] + hop[j]
+    time and the end of the criterion pack (position ``crit``). (Plain Python on ints, branches
+    instead of max(): the local search evaluates it thousands of times.)"""
+    S, E, FREE = [], [], []
+    T = s_prev = p1_prev = e_prev = 0
+    for j, (p1j, plj, loadj, hopj, wlj, tailj, updj, memj, wbj) in enumerate(
+            zip(p1, pl, load, hop, wl, tail, upd, mem, wb)):
+        if j == 0:
+            s = hopj if hopj > wlj else wlj
+        else:
+            s = s_prev + p1_prev + hopj
         if j >= n:
             q = j - n
-            w_start = S[q] if mem[q] + wb[j] <= cap else max(S[q], FREE[q])
-            s = max(s, w_start + wl[j], E[q])
-            if mem[q] + mem[j] > cap:
-                s = max(s, FREE[q])
-        else:
-            s = max(s, wl[j])
-        S[j] = s
-        E[j] = max(s + load[j], (E[j - 1] if j else 0) + hop[j] + pl[j])
-        FREE[j] = E[j] + tail[j]
-        T = max(T, E[j], FREE[j] + upd[j])
+            sq, fq, mq = S[q], FREE[q], mem[q]
+            w = (sq if mq + wbj <= cap else (sq if sq > fq else fq)) + wlj
+            if w > s:
+                s = w
+            if E[q] > s:
+                s = E[q]
+            if mq + memj > cap and fq > s:
+                s = fq
+        elif wlj > s:
+            s = wlj
+        e = s + loadj
+        alt = e_prev + hopj + plj
+        if alt > e:
+            e = alt
+        f = e + tailj
+        S.append(s)
+        E.append(e)
+        FREE.append(f)
+        if e > T:
+            T = e
+        if f + updj > T:
+            T = f + updj
+        s_prev, p1_prev, e_prev = s, p1j, e
     return T, E[crit]
 
 
 def _chain_time(p1, pl, load, hop, wl, tail, upd, mem, wb, cap, crit: int) -> tuple[int, int]:
     """One GPU runs the chain: the first task's inputs, every task's compute, the gaps, the last
     tail; split at the end of the criterion pack (position ``crit``) into the forward and the
-    backward phase."""
-    T = max(hop[0], wl[0]) + load[0]
-    fwd = T if crit == 0 else None
-    for b in range(1, len(p1)):
-        a = b - 1
-        T += load[b] + int(chain_gap(p1[a], load[a], tail[a], mem[a], hop[b], pl[b], load[b], wl[b], wb[b], mem[b],
-                                     cap))
-        if b == crit:
-            fwd = T
-    return fwd, T - fwd + tail[-1] + upd[-1]
+    backward phase. (Columns of integer ticks, every consecutive pair at once.)"""
+    first = int(max(hop[0], wl[0]) + load[0])
+    steps = np.cumsum(load[1:] + chain_gap(p1[:-1], load[:-1], tail[:-1], mem[:-1], hop[1:], pl[1:], load[1:],
+                                           wl[1:], wb[1:], mem[1:], cap))
+    T = first + (int(steps[-1]) if len(steps) else 0)
+    fwd = first + (int(steps[crit - 1]) if crit > 0 else 0)
+    return fwd, T - fwd + int(tail[-1]) + int(upd[-1])
 
 
 def chain_gap(p1_a, load_a, tail_a, mem_a, hop_b, pl_b, load_b, wl_b, wb_b, mem_b, cap):
