@@ -268,14 +268,22 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
                  packing_bwd=("balanced_time",), cost_model="default", **kw):
     """Harmony's search; under the default cost model its candidates are judged by our simulator."""
     from .harmony_compat import harmony_search
+    from .simulator import simulate
     n = _gpus(hw, gpus)
-    scorer = None
-    if cost_model == "default":
-        def scorer(plan):
-            return score(plan.replace(cost_model="default", **_ident(profile, hw)), profile, hw)
+    events = [0]
+
+    def scorer(plan):
+        try:
+            tl = simulate(plan.replace(cost_model="default", **_ident(profile, hw)), profile, hw, with_timeline=False)
+        except PlanError:
+            return float("inf")
+        events[0] += tl.meta["events"]
+        return tl.iteration_time
     res = harmony_search(profile, batch, n, mode, cap, packing_fwd=packing_fwd, packing_bwd=packing_bwd,
-                         rank_fit_normally=True, score=scorer, **kw)
+                         rank_fit_normally=True, score=scorer if cost_model == "default" else None, **kw)
     plan = res.best_plan()
+    # the work the search did, in events played (the planner charges it to its budget)
+    plan = plan.replace(stats={**plan.stats, "events_simulated": res.events_simulated + events[0]})
     return _fits_host(plan.replace(cost_model=cost_model, **_ident(profile, hw)), profile, hw)
 
 

@@ -776,6 +776,7 @@ class SimResult(NamedTuple):
     n_busy: int                       # N'
     events: Events | None
     begin: list[float] | None
+    n_events: int = 0                 # events played (what the search's work is counted in)
 
 
 def _simulate(G: nx.DiGraph, profile: Profile, sim: dict, keep_events: bool) -> SimResult:
@@ -794,7 +795,7 @@ def _simulate(G: nx.DiGraph, profile: Profile, sim: dict, keep_events: bool) -> 
     tmem = {t: task_memory(G, t, profile) for t in G.nodes if G.nodes[t]["rank"] in ranks}
     mem = tuple(max((m for t, m in tmem.items() if G.nodes[t]["rank"] == r), default=0) for r in ranks)
     return SimResult(max(per_rank), ranks, per_rank, mem, tmem, ev.n_busy,
-                     ev if keep_events else None, begin if keep_events else None)
+                     ev if keep_events else None, begin if keep_events else None, len(ev.dur))
 
 
 def _sim_settings(kw: dict) -> dict:
@@ -847,6 +848,7 @@ def simulate_harmony(plan: Plan, profile, *, bw_swap: float = BW_SWAP, bw_p2p: f
         "n_busy_gpus": res.n_busy,
         "sim_mode": "vPP" if plan.mode == "vPP" and plan.gpus > 1 else "single-GPU",
         "deadlock": res.global_endtime == float("inf"),
+        "events": res.n_events,
         **sim,
     }
     if not with_timeline:
@@ -920,6 +922,7 @@ class HarmonySearchResult:
     memory_cap: int
     methods: dict
     settings: dict
+    events_simulated: int = 0         # by Harmony's simulator (0 when ``score`` judged the candidates)
 
     @property
     def best(self) -> HarmonyCandidate:
@@ -940,7 +943,8 @@ class HarmonySearchResult:
             simulated_iteration_time_s=c.time, search_time_s=self.search_time_s,
             stats={"configs_evaluated": self.configs_evaluated, "search_space": self.search_space,
                    "method_fwd": c.method_fwd, "method_bwd": c.method_bwd, "rank": rank, "key": c.key,
-                   "memory_estimate_bytes": c.memory, "packing_methods": self.methods, **self.settings})
+                   "memory_estimate_bytes": c.memory, "packing_methods": self.methods,
+                   "events_simulated": self.events_simulated, **self.settings})
 
 
 def _candidate_plan(u_fwd, packs_fwd, u_bwd, packs_bwd, batch, gpus, mode, num_layers, memory_cap,
@@ -1048,6 +1052,7 @@ def harmony_search(profile, batch: int, gpus: int, mode: str, memory_cap,
 
     top = _Top(topk, dedup)
     memo: dict[tuple, tuple[float, int | None]] = {}
+    events = 0
     for u_fwd, pf, u_bwd, pb, mth_f, mth_b in candidates:
         ident = (u_fwd, pf, u_bwd, pb)
         if ident not in memo:
@@ -1055,6 +1060,7 @@ def harmony_search(profile, batch: int, gpus: int, mode: str, memory_cap,
                 G = compose_task_graph(mode, gpus, batch, R, u_fwd, pf, u_bwd, pb)
                 res = _simulate(G, profile, sim, keep_events=False)
                 memo[ident] = (res.global_endtime, max(res.per_rank_memory))
+                events += res.n_events
             else:
                 plan = _candidate_plan(u_fwd, pf, u_bwd, pb, batch, gpus, mode, R, int(memory_cap), prof_info)
                 memo[ident] = (float(score(plan)), None)
@@ -1066,7 +1072,7 @@ def harmony_search(profile, batch: int, gpus: int, mode: str, memory_cap,
                 "smaller_ufwd": smaller_ufwd, "scored_by": "harmony" if score is None else "custom"}
     return HarmonySearchResult(top.ranked(), len(candidates), space, time.perf_counter() - t0, prof_info, R,
                                batch, gpus, mode, int(memory_cap), {"fwd": list(m_fwd), "bwd": list(m_bwd)},
-                               settings)
+                               settings, events)
 
 
 def _check_args(batch, gpus, mode, memory_cap, topk, step) -> str:

@@ -101,7 +101,9 @@ class Budget:
     PER_START = 6e-6        # a balanced first solution, per task evaluated
     PER_STEP = 1e-5         # a local-search step: fixed part ...
     PER_TASK = 1e-6         # ... and per task of the evaluated sequence
-    PER_EVENT = 1e-5        # the simulator, per event
+    PER_EVENT = 1.3e-5      # the simulator judging a plan, per event
+    PER_HARMONY_EVENT = 1e-5  # Harmony's search: per event its candidates' simulations play ...
+    PER_PACKING = 5e-6      # ... and its packing heuristics, per candidate and layer
     PER_MODEL_ROW = 9e-5    # building a CP-SAT model and completing its hint, per Boolean
     PER_SOLVE = 0.05        # CP-SAT's start-up, which its deterministic clock barely counts
     PER_TIMELINE_EVENT = 2.5e-4  # the timeline model, per event, besides its time limit
@@ -813,6 +815,8 @@ def _harmony(S: _Search) -> Plan | None:
                               packing_fwd=packing, packing_bwd=packing, cost_model=S.opts.cost_model)
         except HarmonyOptError:
             continue
+        S.budget.spend(Budget.PER_HARMONY_EVENT * hp.stats["events_simulated"]
+                       + Budget.PER_PACKING * hp.stats["configs_evaluated"] * S.profile.num_layers)
         if hp.simulated_iteration_time_s is not None and (
                 best is None or hp.simulated_iteration_time_s < best.simulated_iteration_time_s):
             best = hp
@@ -1193,7 +1197,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     model_host_memory(profile).check(hw, f"every plan of {profile.name}")
     t_start = time.perf_counter()
     S = _Search(profile, hw, batch, int(memory_cap or hw.gpu_memory_bytes), opts,
-                Budget(0.92 * opts.time_limit),      # the rest: Harmony's search and the report
+                Budget(0.95 * opts.time_limit),      # the rest: the report, and what the charges miss
                 report or (lambda s: None),
                 {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()},
                 host_check=may_bind(profile, hw, batch))

@@ -228,6 +228,18 @@ def test_dedup_and_keep_all(bert96):
     assert dedup.best.time == full.best.time
 
 
+def test_search_counts_the_events_it_plays(bert96):
+    """The planner charges Harmony's search to its budget by the events its simulations play:
+    every distinct candidate once."""
+    full = harmony_search(bert96, 32, 2, "vPP", CAP10, topk=-1, rank_fit_normally=True)
+    distinct = {(c.u_fwd, c.packs_fwd, c.u_bwd, c.packs_bwd): k for k, c in enumerate(full.candidates)}
+    played = sum(simulate_harmony(full.best_plan(k), bert96, with_timeline=False).meta["events"]
+                 for k in distinct.values())
+    assert len(distinct) < len(full.candidates)      # repeated candidates are simulated once
+    assert full.events_simulated == played > 0
+    assert full.best_plan().stats["events_simulated"] == played
+
+
 def test_fit_on_one_gpu_ranks_first_unless_ranked_normally():
     prof = load_profile("bert_large")
     fit = harmony_search(prof, 16, 2, "vPP", CAP10, topk=-1)

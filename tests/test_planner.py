@@ -512,6 +512,20 @@ def test_model_agrees_with_the_simulator_on_harmony_plans(name, batch, mode, gpu
     assert packs_of(tasks, seq)[:2] == ([tuple(p) for p in hp.packs_fwd], [tuple(p) for p in hp.packs_bwd])
 
 
+def test_harmony_search_under_our_simulator_reports_the_events_it_played():
+    """plan_harmony's ``events_simulated``: what our simulator played judging every distinct
+    candidate (what the planner charges to its budget for the hint)."""
+    from harmony_opt.harmony_compat import harmony_search
+    prof, hw, cap = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
+    hp = plan_harmony(prof, hw, 32, cap, mode="vDP", gpus=2)
+    res = harmony_search(prof, 32, 2, "vDP", cap, topk=-1, rank_fit_normally=True, score=lambda p: 0.0)
+    distinct = {(c.u_fwd, c.packs_fwd, c.u_bwd, c.packs_bwd): k for k, c in enumerate(res.candidates)}
+    ident = {"profile": {"name": prof.name, "identity": prof.identity}, "hardware": hw.to_dict()}
+    played = sum(simulate(res.best_plan(k).replace(cost_model="default", **ident), prof, hw,
+                          with_timeline=False).meta["events"] for k in distinct.values())
+    assert hp.stats["events_simulated"] == played > 0
+
+
 def test_planner_returns_valid_plans_under_the_cap():
     prof = synthetic_profile(R=12, seed=3)
     hw = get_hardware("1080ti-x4").with_gpus(2)
