@@ -147,17 +147,7 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
         # around the fewest packs memory allows (equal-time packs may need a few more)
         least = [int(m) for m in (fewest_f[s], fewest_b[s]) if 0 < m < 10**9]
         counts = sorted(grid | {int(np.ceil(m * f)) for m in least for f in (1, 1.25, 1.5, 2)})
-        # balanced(tasks, profile, nf, nb, s) for every pair of counts, each phase's packs looked up once
-        fwd = {n: _rows(idx, F, _cut_packs(_equal_cuts(tasks, profile, "FWD", n, s), 0, s - 1) if s > 0 else [])
-               for n in counts}
-        bwd = {n: _rows(idx, B, _cut_packs(_equal_cuts(tasks, profile, "BWD", n, s), 0, s - 1) if s > 0 else [])
-               for n in counts}
-        crit_row = idx.get((C, s, tasks.num_layers - 1, True, False))
-        for nf in counts:
-            for nb in counts:
-                if crit_row is not None and fwd[nf] is not None and bwd[nb] is not None:
-                    seq = fwd[nf] + [crit_row] + bwd[nb][::-1]
-                    out.append((evaluate(tasks, seq), seq))
+        out += [(evaluate(tasks, seq), seq) for _, _, seq in balanced_grid(tasks, profile, counts, s, idx)]
     work = sum(len(seq) for _, seq in out)
     out = [o for o in out if np.isfinite(o[0])]
     out.sort(key=lambda o: o[0])
@@ -167,6 +157,23 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
             seen.add(tuple(seq))
             uniq.append((v, seq))
     return uniq[:tries], work
+
+
+def balanced_grid(tasks: Tasks, profile, counts: list[int], s: int, idx: dict | None = None):
+    """(n_fwd, n_bwd, ``balanced(tasks, profile, n_fwd, n_bwd, s)``) for every pair of counts where
+    that is a sequence, each phase's packs computed and looked up once per count."""
+    idx = tasks.table.index() if idx is None else idx
+    fwd = {n: _rows(idx, F, _cut_packs(_equal_cuts(tasks, profile, "FWD", n, s), 0, s - 1) if s > 0 else [])
+           for n in counts}
+    bwd = {n: _rows(idx, B, _cut_packs(_equal_cuts(tasks, profile, "BWD", n, s), 0, s - 1) if s > 0 else [])
+           for n in counts}
+    crit_row = idx.get((C, s, tasks.num_layers - 1, True, False))
+    if crit_row is None:
+        return
+    for nf in counts:
+        for nb in counts:
+            if fwd[nf] is not None and bwd[nb] is not None:
+                yield nf, nb, fwd[nf] + [crit_row] + bwd[nb][::-1]
 
 
 def _rows(idx: dict, kind: int, packs: list[tuple[int, int]]) -> list[int] | None:

@@ -471,6 +471,21 @@ def test_minmax_cuts_is_the_best_linear_partition_by_brute_force(times, k):
             assert max(prefix[b] - prefix[a] for a, b in zip((0, *cuts), (*cuts, i))) == best
 
 
+@pytest.mark.parametrize("name,cfg", [("resnet1026", Config("vPP", 4, 16, 16)), ("vgg416", Config("vDP", 4, 8, 16)),
+                                      ("bert_96", Config("vPP", 2, 8, 4))])
+def test_balanced_grid_is_balanced_for_every_pair_of_counts(name, cfg):
+    """The first solutions' grid (looked up once per pack count, for speed) gives exactly the
+    sequences balanced() builds pair by pair, and leaves out only the pairs it cannot build."""
+    prof = load_profile(name)
+    tasks = build_tasks(prof, get_hardware("1080ti-x4"), 64, cfg, 10 * 2**30, cuts=candidate_cuts(prof, cfg.u_bwd))
+    t = tasks.table
+    counts = [1, 2, 3, 4, 8, 13, 32, 64]
+    for s in sorted(set(np.unique(t.start[t.kind == 1]).tolist()[::7])):
+        grid = {(nf, nb): seq for nf, nb, seq in search.balanced_grid(tasks, prof, counts, s)}
+        want = {(nf, nb): search.balanced(tasks, prof, nf, nb, s) for nf in counts for nb in counts}
+        assert grid == {k: v for k, v in want.items() if v is not None}
+
+
 def test_partitioned_packs_are_no_larger_than_balanced_ones():
     """resnet1026 vPP x4 u=16/16: equal shares snapped to the candidate boundaries leave packs a block
     heavier than their neighbours here and there, and in vPP the heaviest pack of a round of four
