@@ -39,14 +39,21 @@ def _ident(profile: Profile, hw: Hardware) -> dict:
 
 def score(plan: Plan, profile: Profile, hw: Hardware, cost_model: str = "default") -> float:
     """Simulated iteration time; inf for a plan the cost model rejects (e.g. over memory)."""
+    return played(plan, profile, hw, cost_model)[0]
+
+
+def played(plan: Plan, profile: Profile, hw: Hardware, cost_model: str = "default") -> tuple[float, int]:
+    """(``score``, the events its simulation played: the work it took; 0 where the plan was rejected)."""
     try:
         if cost_model == "harmony":
             from .harmony_compat import simulate_harmony
-            return simulate_harmony(plan, profile, with_timeline=False).iteration_time
-        from .simulator import simulate
-        return simulate(plan, profile, hw, with_timeline=False).iteration_time
+            tl = simulate_harmony(plan, profile, with_timeline=False)
+        else:
+            from .simulator import simulate
+            tl = simulate(plan, profile, hw, with_timeline=False)
     except PlanError:
-        return float("inf")
+        return float("inf"), 0
+    return tl.iteration_time, tl.meta["events"]
 
 
 def feasible_sizes(profile: Profile, batch: int, mode: str, gpus: int, phase: str = "BWD",
@@ -268,17 +275,13 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
                  packing_bwd=("balanced_time",), cost_model="default", **kw):
     """Harmony's search; under the default cost model its candidates are judged by our simulator."""
     from .harmony_compat import harmony_search
-    from .simulator import simulate
     n = _gpus(hw, gpus)
     events = [0]
 
     def scorer(plan):
-        try:
-            tl = simulate(plan.replace(cost_model="default", **_ident(profile, hw)), profile, hw, with_timeline=False)
-        except PlanError:
-            return float("inf")
-        events[0] += tl.meta["events"]
-        return tl.iteration_time
+        t, n_events = played(plan.replace(cost_model="default", **_ident(profile, hw)), profile, hw)
+        events[0] += n_events
+        return t
     res = harmony_search(profile, batch, n, mode, cap, packing_fwd=packing_fwd, packing_bwd=packing_bwd,
                          rank_fit_normally=True, score=scorer if cost_model == "default" else None, **kw)
     plan = res.best_plan()
@@ -302,5 +305,5 @@ def get_planner(name: str):
     return PLANNERS[key]
 
 
-__all__ = ["PLANNERS", "get_planner", "score", "iteration_floor", "plan_harmony", "plan_naive_swap", "plan_l2l",
+__all__ = ["PLANNERS", "get_planner", "score", "played", "iteration_floor", "plan_harmony", "plan_naive_swap", "plan_l2l",
            "plan_zero_offload", "max_pack_end"]

@@ -49,8 +49,8 @@ from harmony_opt.profile import Profile
 from harmony_opt.simulator import simulate
 
 from . import chain, dp, pipeline, search
-from .tasks import (MAX_ARCS_PER_START, MAX_LAYERS_WITH_STASH, MEM_UNIT, Config, Tasks, boundary_hops, build_tasks, candidate_cuts,
-                    forward_costs, link_capacity, link_rates, stash_out_exposed, stashable_layers)
+from .tasks import (MAX_ARCS_PER_START, MAX_LAYERS_WITH_STASH, MEM_UNIT, Config, Tasks, boundary_hops, build_tasks,
+                    candidate_cuts, forward_costs, link_capacity, link_rates, stash_out_exposed, stashable_layers)
 from .timeline import solve_timeline
 from .timing import evaluate, pack_starts, packs_of, sequence_of_plan
 

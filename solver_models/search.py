@@ -163,10 +163,11 @@ def balanced_grid(tasks: Tasks, profile, counts: list[int], s: int, idx: dict | 
     """(n_fwd, n_bwd, ``balanced(tasks, profile, n_fwd, n_bwd, s)``) for every pair of counts where
     that is a sequence, each phase's packs computed and looked up once per count."""
     idx = tasks.table.index() if idx is None else idx
-    fwd = {n: _rows(idx, F, _cut_packs(_equal_cuts(tasks, profile, "FWD", n, s), 0, s - 1) if s > 0 else [])
-           for n in counts}
-    bwd = {n: _rows(idx, B, _cut_packs(_equal_cuts(tasks, profile, "BWD", n, s), 0, s - 1) if s > 0 else [])
-           for n in counts}
+
+    def rows(kind, phase):          # {count: its packs' rows, None if one is not a candidate}
+        return {n: _rows(idx, kind, _cut_packs(_equal_cuts(tasks, profile, phase, n, s), 0, s - 1) if s > 0 else [])
+                for n in counts}
+    fwd, bwd = rows(F, "FWD"), rows(B, "BWD")
     crit_row = idx.get((C, s, tasks.num_layers - 1, True, False))
     if crit_row is None:
         return

@@ -108,7 +108,7 @@ class TaskTable:
                 bool(self.gpu_opt[k]))
 
     def index(self) -> dict:
-        """{key: row} (built once)."""
+        """{key: row} (built once; the keys as ``key`` makes them, from whole columns at once)."""
         if self._index is None:
             keys = zip(self.kind.tolist(), self.start.tolist(), self.end.tolist(),
                        map(bool, self.recompute.tolist()), map(bool, self.gpu_opt.tolist()))
