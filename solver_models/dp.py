@@ -6,8 +6,9 @@ is the last task placed: walking the junctions in chain order (forward boundarie
 then backward boundaries descending), the best cost of a chain ending with task b is the
 minimum over the tasks a that can precede it of cost(a) + gap(a, b) + load(b).
 
-The link floor ``T >= N * sum(h2d) / link`` is not a sum over pairs; the DP leaves it out, so
-its optimum equals CP-SAT's wherever the floor does not bind (the tests check both cases).
+The link floors (``T >= N * sum(h2d) / link`` and the forward queue, timing.py) are not sums
+over pairs; the DP leaves them out, so its optimum bounds CP-SAT's and equals it wherever they do
+not bind (the tests check both cases).
 """
 from __future__ import annotations
 

@@ -1171,7 +1171,8 @@ def _configuration_report(S: _Search, c: _Candidate | None) -> dict | None:
     r = c.solve if c.solve is not None and c.solve.objective is not None else None
     if c.proof == "dp":
         status, proof = "OPTIMAL", "dp"
-    elif r is not None and r.status == "OPTIMAL" and c.cfg.ranks == 1 and c.how == "cp-sat":
+    elif (r is not None and r.status == "OPTIMAL" and c.cfg.ranks == 1 and c.how == "cp-sat"
+          and c.value <= r.objective + 1e-9):       # not where the forward queue, which it leaves out, binds
         status, proof = "OPTIMAL", "cp-sat"
     else:
         status, proof = "FEASIBLE", None

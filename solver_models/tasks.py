@@ -150,15 +150,21 @@ class Tasks:
             d["link_in"] = np.round(self.link_copies * t.h2d / self.link_bw[0] * TICKS_PER_S).astype(np.int64)
             d["link_out"] = np.round(self.link_copies * t.d2h / self.link_bw[1] * TICKS_PER_S).astype(np.int64)
             d["link_out_fwd"] = np.round(self.link_copies * t.d2h_fwd / self.link_bw[1] * TICKS_PER_S).astype(np.int64)
+            # what timing.forward_queue counts: outputs and checkpoints (a stashed pack's saved activations
+            # leave as the forward computes them, during later forward packs too)
+            d["link_out_queued"] = np.where((t.kind != B) | t.recompute, d["link_out_fwd"], 0)
             d["backward"] = (t.kind == B).astype(np.int64)
             d["mem"] = np.ceil(t.mem / MEM_UNIT).astype(np.int64)
             d["wb"] = np.ceil(t.wb / MEM_UNIT).astype(np.int64)
             d["cap"] = int(self.cap // MEM_UNIT)
             d["host"] = np.ceil(t.host / MEM_UNIT).astype(np.int64)
-            # rows for timing.evaluate's single gather: times, exact memory (the cap check), mem, wb, link
+            # rows for timing.evaluate's single gather: times, exact memory (the cap check), mem, wb, link,
+            # phase, host, first and last layer, queued traffic out
             d["stacked"] = np.stack([d[f] for f in TIME_COLUMNS] + [np.ceil(t.mem).astype(np.int64), d["mem"], d["wb"],
                                                                     d["link_in"], d["link_out"], d["link_out_fwd"],
-                                                                    d["backward"], d["host"]])
+                                                                    d["backward"], d["host"],
+                                                                    t.start.astype(np.int64), t.end.astype(np.int64),
+                                                                    d["link_out_queued"]])
             d["cap_exact"] = int(self.cap)
             self._ticks = d
         return self._ticks

@@ -24,10 +24,16 @@ takes on it (all replicas' in vDP, which meet at every backward pack's all-reduc
 slowest sets the pace): ``T = max(T_F, link_F) + max(T_B, link_B)``. A phase's traffic cannot
 hide in the other: activations stashed in the forward leave the GPUs while the forward runs
 and come back while the backward runs (vPP with stashed layers: the model without the phases
-rated a gpt2_xl plan 36.8 s that the simulator plays in 62.5 s).
+rated a gpt2_xl plan 36.8 s that the simulator plays in 62.5 s). In a chain the forward phase
+also waits for its traffic out at each forward pack boundary (``forward_queue``): the next pack's
+last input leaves behind the outputs and checkpoints queued before it, and the compute of that
+microbatch and of the packs after it follows (vgg416, D=64, vDP on 4 GPUs with 106 backward
+packs, each stashing its input: without it the model rated a chain 9.9 s that the simulator
+plays in 11.6 s, its forward phase bounded only by the phase's whole traffic; now 10.4 s).
 
-``evaluate`` computes either exactly as the CP-SAT models do, in integer ticks: it scores hints
-and candidates, and checks that a solver's objective is what its packs are worth.
+``evaluate`` computes either exactly as the CP-SAT models do, in integer ticks (the forward queue
+aside, which they leave out): it scores hints and candidates, and checks that a solver's objective
+is what its packs are worth.
 """
 from __future__ import annotations
 
@@ -105,9 +111,10 @@ def evaluate_ticks(tasks: Tasks, seq: list[int]) -> float:
     return float(max(fwd_part, fwd_link) + max(bwd_part, bwd_link))
 
 
-def phase_parts(tasks: Tasks, seq: list[int]) -> tuple[int, int, int, int] | None:
+def phase_parts(tasks: Tasks, seq: list[int], queue: bool = True) -> tuple[int, int, int, int] | None:
     """(forward phase, its link floor, backward phase, its link floor) in ticks; None where GPU or
-    host memory does not fit."""
+    host memory does not fit. ``queue=False``: without the forward queue, as the DP and the CP-SAT
+    chain model count it."""
     d = tasks.ticks()
     cols = d["stacked"][:, seq]            # one gather: times, exact memory, mem, wb, link columns, phase, host
     if cols[7].max() > d["cap_exact"] or not stash_fits(tasks, seq) or not host_fits(tasks, int(cols[14].sum())):
@@ -123,8 +130,26 @@ def phase_parts(tasks: Tasks, seq: list[int]) -> tuple[int, int, int, int] | Non
     # the forward phase (through the criterion pack) and the backward phase each take at least
     # their own traffic on the shared link
     fwd_link = max(int(link_in[~bwd].sum()), int(out_fwd.sum()))
+    if queue and tasks.cfg.ranks == 1 and crit > 0:
+        fwd_link = max(fwd_link, forward_queue(cols[15], cols[16], cols[1], cols[2], cols[17], crit))
     bwd_link = max(int(link_in[bwd].sum()), int(link_out.sum() - out_fwd.sum()))
     return int(fwd_part), fwd_link, int(bwd_part), bwd_link
+
+
+def forward_queue(start, end, p_last, load, queued, crit: int) -> int:
+    """The forward phase of a chain waits for its traffic out: the last microbatch of forward task
+    j + 1 waits for its input, which leaves its GPU behind everything queued before it on the
+    swap-out stream (in vDP, on the host link all replicas share): the outputs of tasks 0..j and
+    the checkpoints of the backward packs starting in them (``queued``: stashed activations leave
+    as they are made, not counted); then that microbatch computes, and the tasks after it, the
+    criterion pack included. The largest such ``sent + compute left`` over j (columns in chain
+    order; crit > 0)."""
+    b_start, b_out = start[:crit:-1], queued[:crit:-1]        # the backward packs, by ascending start
+    checkpoints = np.concatenate(([0], np.cumsum(b_out)))[np.searchsorted(b_start, end[:crit], "right")]
+    sent = np.cumsum(queued[:crit]) + checkpoints
+    after = np.cumsum(load[crit:1:-1])[::-1]                  # load of tasks j + 2 .. crit, j = 0 .. crit - 2
+    left = p_last[1:crit + 1] + np.concatenate((after, [0]))
+    return int((sent + left).max())
 
 
 def _pipeline_time(p1, pl, load, hop, wl, tail, upd, mem, wb, cap, n, crit: int) -> tuple[int, int]:
