@@ -98,13 +98,14 @@ def host_fits(tasks: Tasks, host_mib: int) -> bool:
     return tasks.host_budget is None or host_mib <= tasks.host_budget
 
 
-def evaluate(tasks: Tasks, seq: list[int]) -> float:
-    """The model's iteration time of a task sequence in seconds (inf where GPU or host memory does not fit)."""
-    return evaluate_ticks(tasks, seq) / TICKS_PER_S
+def evaluate(tasks: Tasks, seq: list[int], queue: bool = True) -> float:
+    """The model's iteration time of a task sequence in seconds (inf where GPU or host memory does not
+    fit); ``queue=False``: without the forward queue, as the DP and the CP-SAT chain model count it."""
+    return evaluate_ticks(tasks, seq, queue) / TICKS_PER_S
 
 
-def evaluate_ticks(tasks: Tasks, seq: list[int]) -> float:
-    parts = phase_parts(tasks, seq)
+def evaluate_ticks(tasks: Tasks, seq: list[int], queue: bool = True) -> float:
+    parts = phase_parts(tasks, seq, queue)
     if parts is None:
         return float("inf")
     fwd_part, fwd_link, bwd_part, bwd_link = parts

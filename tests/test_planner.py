@@ -47,18 +47,8 @@ def test_cp_sat_chain_model_equals_the_dp(R, seed, uf, ub, tight, gpus):
     else:
         assert value - 1e-9 <= res.objective <= evaluate(tasks, seq) + 1e-9
     # the packs CP-SAT returns are worth exactly what it reports, the forward queue aside
-    assert _unqueued(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
+    assert evaluate(tasks, res.sequence, queue=False) == pytest.approx(res.objective, abs=1e-9)
     assert evaluate(tasks, res.sequence) >= res.objective - 1e-9
-
-
-def _unqueued(tasks, seq) -> float:
-    """The model's value without the forward queue (timing.forward_queue), as the DP and the CP-SAT
-    chain model count it."""
-    parts = phase_parts(tasks, seq, queue=False)
-    if parts is None:
-        return float("inf")
-    f, fl, b, bl = parts
-    return (max(f, fl) + max(b, bl)) / TICKS_PER_S
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,13 +65,13 @@ def test_cp_sat_chain_model_is_the_best_of_every_chain(R, seed, uf, ub, tight, g
     single = max(int(prof.costs(ph, u).memory.max()) for ph, u in (("BWD", ub), ("FWD", uf)))
     cfg = Config("vDP" if gpus > 1 else "vPP", gpus, uf, ub)
     tasks = build_tasks(prof, hw, 16, cfg, max(single, int(full * tight)), stash=False)
-    best = min((_unqueued(tasks, seq) for seq in _every_plan(tasks)), default=float("inf"))
+    best = min((evaluate(tasks, seq, queue=False) for seq in _every_plan(tasks)), default=float("inf"))
     res = chain.solve(tasks, time_limit=30, rel_gap=0.0)
     if best == float("inf"):
         assert res.objective is None
         return
     assert res.status == "OPTIMAL" and res.objective == pytest.approx(best, abs=1e-9)
-    assert _unqueued(tasks, res.sequence) == pytest.approx(res.objective, abs=1e-9)
+    assert evaluate(tasks, res.sequence, queue=False) == pytest.approx(res.objective, abs=1e-9)
     assert evaluate(tasks, res.sequence) >= res.objective - 1e-9
 
 
@@ -100,7 +90,7 @@ def test_host_budget_keeps_the_best_chain_that_fits(R, seed, uf, ub, tight, gpus
         return
     used = sorted({int(host[seq].sum()) for seq in chains})
     tasks.host_budget = used[0] + int(room * (used[-1] - used[0]))
-    best = min(_unqueued(tasks, seq) for seq in chains)          # inf for the chains that do not fit
+    best = min(evaluate(tasks, seq, queue=False) for seq in chains)      # inf for the chains that do not fit
     assert all((evaluate(tasks, seq) == float("inf")) >= (host[seq].sum() > tasks.host_budget) for seq in chains)
     res = chain.solve(tasks, time_limit=30, rel_gap=0.0)
     if best == float("inf"):
@@ -111,7 +101,7 @@ def test_host_budget_keeps_the_best_chain_that_fits(R, seed, uf, ub, tight, gpus
     free = dp.solve_chain(tasks)
     value, seq, bound = dp.within_host(tasks)
     assert host[seq].sum() <= tasks.host_budget and value == pytest.approx(evaluate(tasks, seq), abs=1e-12)
-    assert free[0] - 1e-9 <= bound <= best + 1e-9 <= _unqueued(tasks, seq) + 2e-9
+    assert free[0] - 1e-9 <= bound <= best + 1e-9 <= evaluate(tasks, seq, queue=False) + 2e-9
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
