@@ -7,8 +7,9 @@ then backward boundaries descending), the best cost of a chain ending with task 
 minimum over the tasks a that can precede it of cost(a) + gap(a, b) + load(b).
 
 The link floors (``T >= N * sum(h2d) / link`` and the forward queue, timing.py) are not sums
-over pairs; the DP leaves them out, so its optimum bounds CP-SAT's and equals it wherever they do
-not bind (the tests check both cases).
+over pairs, and neither are the waits for the memory of the task two back (timing.two_back); the DP
+leaves them out, so its optimum bounds CP-SAT's (which leaves out the last two too) and equals it
+wherever the floors do not bind (the tests check both cases).
 """
 from __future__ import annotations
 

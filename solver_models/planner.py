@@ -37,11 +37,10 @@ import time
 
 import numpy as np
 
-from harmony_opt.baselines import feasible_sizes, plan_harmony
+from harmony_opt.baselines import feasible_sizes, plan_harmony, played
 from harmony_opt.bound import lower_bound
-from harmony_opt.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
+from harmony_opt.errors import HarmonyOptError, InfeasibleError, UsageError
 from harmony_opt.hardware import Hardware
-from harmony_opt.harmony_compat import simulate_harmony
 from harmony_opt.host_memory import may_bind, model_host_memory, require_fits
 from harmony_opt.memory import explain_infeasible, max_pack_end
 from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
@@ -755,18 +754,12 @@ class _Search:
                     cost_model=self.opts.cost_model, **self.ident)
 
     def judge(self, plan_: Plan) -> float:
-        """Simulated iteration time (inf if the simulator rejects the plan), charged to the budget."""
-        try:
-            if self.opts.cost_model == "harmony":
-                tl = simulate_harmony(plan_, self.profile, with_timeline=False)
-                events = 4 * (len(plan_.packs_fwd) + 2 * len(plan_.packs_bwd))
-            else:
-                tl = simulate(plan_, self.profile, self.hw, with_timeline=False)
-                events = tl.meta["events"]
-        except PlanError:
-            return float("inf")
-        self.budget.spend(Budget.PER_EVENT * events)
-        return tl.iteration_time if self.fits_host(plan_) else float("inf")
+        """Simulated iteration time (inf if the simulator rejects the plan), charged to the budget by
+        the events the simulator played."""
+        t, events = played(plan_, self.profile, self.hw, self.opts.cost_model)
+        harmony = self.opts.cost_model == "harmony"
+        self.budget.spend((Budget.PER_HARMONY_EVENT if harmony else Budget.PER_EVENT) * events)
+        return t if math.isinf(t) or self.fits_host(plan_) else float("inf")
 
     def fits_host(self, plan_: Plan) -> bool:
         """Whether ``plan_``'s host memory fits the host's budgets; keeps the least overrun for the
@@ -871,7 +864,8 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
 def _first_solution(S: _Search, tasks: Tasks, hint):
     """(model value, sequence, bound or None) of a first solution: the DP's optimum for a chain,
     which also bounds the model's optimum over the plans without stash variants or kept
-    gradients (the DP leaves out only the link floor, which can only add); the best of the hint
+    gradients (the DP leaves out the link floors, the forward queue and the waits for the task two
+    back, which can only add); the best of the hint
     and balanced packs in vPP (search.py), improved later."""
     if tasks.cfg.ranks == 1:
         S.budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
@@ -996,7 +990,8 @@ def _carried(c: _Candidate, tasks: Tasks) -> list:
 def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
     """Step 3: CP-SAT on the four most promising configurations, with the stash variants, from the
     first solution as a complete hint. A chain whose DP optimum already meets the link floors is
-    proven optimal by the DP; a vPP model too large for the budget is left to the local search."""
+    skipped (proven optimal by the DP where the forward queue and the waits two back, which neither
+    counts, do not bind); a vPP model too large for the budget is left to the local search."""
     best = {}
     for c in sorted(found, key=lambda c: (c.value, str(c.cfg))):
         best.setdefault(c.cfg, c)          # one solve per configuration, from its best solution
@@ -1005,8 +1000,11 @@ def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
         if left <= 0.1:
             return
         _tighten(S, c)
-        if c.cfg.ranks == 1 and c.how == "dp" and c.value <= c.bound + 1e-9:
-            c.proof = "dp"      # the DP's optimum with every variant meets the model's value
+        if c.cfg.ranks == 1 and c.how == "dp" and evaluate(c.tasks, c.seq, pairwise=True) <= c.bound + 1e-9:
+            # the DP's optimum with every variant meets what the chain model counts: nothing for CP-SAT
+            # to improve (it leaves out the forward queue and the waits two back, too)
+            if c.value <= c.bound + 1e-9:
+                c.proof = "dp"
             continue
         tasks, seq = c.tasks, c.seq
         if S.stash(c.cfg):
@@ -1097,14 +1095,24 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
     """Step 5: first-improvement descent judged by the simulator (the model is a few % off in
     places): move one pack boundary by one candidate boundary, or toggle one pack's optimizer
     placement (search.neighbours, a fixed order); stop at a local optimum or when the budget share
-    is spent. Updates ``c``."""
+    is spent. The scan goes on from the neighbour that improved (the same move often improves
+    again) instead of starting over, and a plan simulated once is not simulated again: it was
+    slower than the best then, and the best only gets faster. Updates ``c``."""
     # kept: the timeline model's share, and the vPP path bounds the report may need (_tighten)
     loose = sum(1 for f in found if f.cfg.ranks > 1 and not f.pathed and f.bound < c.value)
     reserve = S.timeline_reserve(plan_) + Budget.PER_PATH_LAYER * S.profile.num_layers * min(loose, 4)
+    judged = {tuple(c.seq)}
+    at = 0              # where the scan goes on: the position of the last improving move
     improved = True
     while improved:
         improved = False
-        for seq in search.neighbours(c.tasks, c.seq):
+        moves = list(search.neighbours(c.tasks, c.seq))
+        for k in range(len(moves)):
+            i = (at + k) % len(moves)
+            seq = moves[i]
+            if tuple(seq) in judged:
+                continue
+            judged.add(tuple(seq))
             if S.budget.left() - reserve <= 0:
                 return plan_, t_best
             cand = S.plan_of(c, seq)
@@ -1112,7 +1120,7 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
             S.budget.spend(Budget.PER_TASK * len(seq))
             if t < t_best * (1 - 1e-9):
                 S.say(f"simulated neighbour of {c.cfg}: {t:.4f} s  <- best")
-                plan_, t_best = cand, t
+                plan_, t_best, at = cand, t, i
                 c.seq, c.value, c.how, c.proof = seq, evaluate(c.tasks, seq), "polish", None
                 improved = True
                 break
@@ -1172,7 +1180,7 @@ def _configuration_report(S: _Search, c: _Candidate | None) -> dict | None:
     if c.proof == "dp":
         status, proof = "OPTIMAL", "dp"
     elif (r is not None and r.status == "OPTIMAL" and c.cfg.ranks == 1 and c.how == "cp-sat"
-          and c.value <= r.objective + 1e-9):       # not where the forward queue, which it leaves out, binds
+          and c.value <= r.objective + 1e-9):       # not where what it leaves out binds (timing.py)
         status, proof = "OPTIMAL", "cp-sat"
     else:
         status, proof = "FEASIBLE", None
