@@ -46,7 +46,7 @@ def test_cp_sat_chain_model_equals_the_dp(R, seed, uf, ub, tight, gpus):
         assert res.objective == pytest.approx(value, abs=1e-9)
     else:
         assert value - 1e-9 <= res.objective <= evaluate(tasks, seq) + 1e-9
-    # the packs CP-SAT returns are worth exactly what it reports, the forward queue aside
+    # the packs CP-SAT returns are worth exactly what it reports, what it leaves out (timing.py) aside
     assert evaluate(tasks, res.sequence, pairwise=True) == pytest.approx(res.objective, abs=1e-9)
     assert evaluate(tasks, res.sequence) >= res.objective - 1e-9
 
