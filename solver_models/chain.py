@@ -15,8 +15,8 @@ take at least their traffic on the shared host link (all replicas' in vDP), so
 ``T = max(chain_F, link_F) + max(chain_B, link_B)``. The forward queue (timing.forward_queue) and
 the waits for the memory of the task two back (timing.two_back) are left out, as the DP leaves them
 out: the model is a relaxation where they bind, so its bound holds and
-the planner re-rates every solution with timing.evaluate (as constraints, one per forward
-boundary, it slowed the search: gpt2_xl D=16 on one GPU reached its 35.6 s solution after 1.5 s
+the planner re-rates every solution with timing.evaluate (the queue as constraints, one per forward
+boundary, slowed the search: gpt2_xl D=16 on one GPU reached its 35.6 s solution after 1.5 s
 of CP-SAT time instead of 0.4 s).
 
 The gap depends only on the two tasks meeting at a layer boundary, so the model is the

@@ -1110,9 +1110,10 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
         for k in range(len(moves)):
             i = (at + k) % len(moves)
             seq = moves[i]
-            if tuple(seq) in judged:
+            key = tuple(seq)
+            if key in judged:
                 continue
-            judged.add(tuple(seq))
+            judged.add(key)
             if S.budget.left() - reserve <= 0:
                 return plan_, t_best
             cand = S.plan_of(c, seq)

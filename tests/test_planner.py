@@ -58,7 +58,7 @@ def test_cp_sat_chain_model_equals_the_dp(R, seed, uf, ub, tight, gpus):
 def test_cp_sat_chain_model_is_the_best_of_every_chain(R, seed, uf, ub, tight, gpus, act_scale):
     """Against every chain enumerated, also where large activations make the shared link's phase
     floors bind (which the DP leaves out): CP-SAT's optimum is the best chain's value, without the
-    forward queue, which it leaves out too (and which only adds to a chain's value)."""
+    forward queue and the waits two back, which it leaves out too (and which only add to a chain's value)."""
     prof = synthetic_profile(R=R, seed=seed, act_scale=act_scale)
     hw = get_hardware("1080ti-x4").with_gpus(gpus)
     full = int(prof.costs("BWD", ub).pack_memory(0, R - 1))
