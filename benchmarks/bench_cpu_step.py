@@ -9,6 +9,15 @@ leaves on a GPU, half), each alone, beside pinned host<->GPU copies on two strea
 thread issuing small kernels, and beside both. Each figure is the median of 5 steps.
 
     python benchmarks/bench_cpu_step.py        # needs CUDA; writes benchmarks/results/cpu_step.{md,json}
+    python benchmarks/bench_cpu_step.py --whole 3   # GPT-2 XL's 48 blocks as the executor steps them,
+                                                    # in 3 fresh processes per host memory layout
+
+``--whole`` asks whether the step's speed differs from process to process (the GPU experiment
+measured GPT-2 XL's CPU steps at 1.0x, 2.1-2.9x and 1.2-2.3x of the profiled time in different
+runs): every block's parameters and gradients, one fused Adam per pack of 4 blocks (as the
+executor makes one optimizer per pack), stepped on a worker thread with two cores fewer, the
+parameters and gradients pinned (as the executor holds them) or pageable; writes
+``cpu_step_whole.{md,json}``.
 
 The per-parameter loop with every core collapses beside the other work (its OpenMP team
 spins against the threads that issue GPU work), which is why the runtime steps fused with
@@ -77,13 +86,98 @@ def step_time(opt: torch.optim.Optimizer, beside, steps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+BLOCKS, PER_PACK = 48, 4              # GPT-2 XL's blocks; blocks per pack (optimizer)
+
+
+def whole_model_once(layout: str, steps: int = 5) -> dict:
+    """One process: every block's Adam step, pack by pack, on a worker thread (as runtime.executor)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from runtime.optim import host_threads, intra_op_threads
+
+    t0 = time.perf_counter()
+    pin = layout == "pinned"
+    opts = []
+    for _ in range(BLOCKS // PER_PACK):
+        params = [torch.nn.Parameter(torch.empty(BLOCK // 12, pin_memory=pin).normal_())
+                  for _ in range(12 * PER_PACK)]
+        for p in params:
+            p.grad = torch.empty(p.shape, pin_memory=pin).normal_()
+        opts.append(torch.optim.Adam(params, lr=1e-4, fused=True))
+    alloc_s = time.perf_counter() - t0
+    threads = host_threads(1, "cuda")
+
+    def iteration() -> float:
+        with intra_op_threads(threads):
+            t = time.perf_counter()
+            for o in opts:
+                o.step()
+            return time.perf_counter() - t
+
+    row = {"layout": layout, "threads": threads, "alloc_s": alloc_s}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        row["first_s"] = pool.submit(iteration).result()       # allocates the optimizer state
+        for name, beside in (("alone", ()), ("copies+kernels", (_copies, _kernels))):
+            stop = threading.Event()
+            helpers = [threading.Thread(target=f, args=(stop,)) for f in beside]
+            for h in helpers:
+                h.start()
+            time.sleep(0.3)
+            times = [pool.submit(iteration).result() for _ in range(steps)]
+            stop.set()
+            for h in helpers:
+                h.join()
+            row[name] = sorted(times)[len(times) // 2]
+            row[name + "_max"] = max(times)
+    return row
+
+
+def whole_model(processes: int, out: Path) -> int:
+    import json
+    import subprocess
+
+    rows = []
+    for trial in range(processes):
+        for layout in ("pinned", "pageable"):
+            res = subprocess.run([sys.executable, __file__, "--_one", layout], capture_output=True, text=True,
+                                 check=False)
+            if res.returncode:
+                print(res.stderr[-2000:], file=sys.stderr)
+                return 1
+            row = {"process": trial + 1, **json.loads(res.stdout.strip().splitlines()[-1])}
+            rows.append(row)
+            print(row, flush=True)
+    device = torch.cuda.get_device_name()
+    cols = ("alloc_s", "first_s", "alone", "alone_max", "copies+kernels", "copies+kernels_max")
+    atomic_write_json(out.with_suffix(".json"), {"device": device, "cores": len(os.sched_getaffinity(0)),
+                                                 "torch": torch.__version__, "parameters": BLOCK * BLOCKS,
+                                                 "rows": rows})
+    lines = [f"# CPU Adam step over GPT-2 XL's {BLOCKS} blocks ({BLOCK * BLOCKS / 1e9:.2f} G parameters), "
+             f"{BLOCKS // PER_PACK} fused optimizers, seconds", "",
+             f"{device}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}; "
+             f"`python benchmarks/bench_cpu_step.py --whole {processes}`; each row a fresh process; "
+             f"median (and max) of 5 iterations after a first that allocates the state.", "",
+             "| process | layout | threads | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
+    lines += [f"| {r['process']} | {r['layout']} | {r['threads']} | " + " | ".join(f"{r[k]:.3f}" for k in cols)
+              + " |" for r in rows]
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_step"))
+    ap.add_argument("--whole", type=int, metavar="N", help="the whole-model step in N fresh processes per layout")
+    ap.add_argument("--_one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cpu_step: needs CUDA (it times the step beside host<->GPU copies)", file=sys.stderr)
         return 2
+    if args._one:
+        import json
+        print(json.dumps(whole_model_once(args._one)))
+        return 0
+    if args.whole:
+        return whole_model(args.whole, Path(args.out + "_whole"))
     cores = len(os.sched_getaffinity(0))
     rows = []
     for threads in dict.fromkeys((cores, max(1, cores - 2), max(1, cores // 2))):
