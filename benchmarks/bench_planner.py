@@ -12,11 +12,16 @@ both modes (10 GiB). For each case:
   mode and GPUs, u_fwd >= u_bwd, sizes dividing D, recompute, CPU optimizer) under
   Harmony's own cost model, against Harmony's search with every packing heuristic.
 
+* ``walled``: ``ours`` again under ``--wall-limit`` (default 10 s) as well: what the search
+  proves within that much wall-clock time on this machine (not reproducible where it binds).
+
 Columns: simulated times, the CP-SAT objective of the returned plan and its fidelity
 (|objective - simulated| / simulated), CP-SAT's bound for the chosen configuration and the
-gap, wall search time, speed-up = harmony / ours, efficiency = lower bound / simulated.
+gap, wall search time and the work seconds it was charged (their ratio is the machine's
+speed against the budget's calibration), speed-up = harmony / ours, efficiency = lower
+bound / simulated.
 
-    python benchmarks/bench_planner.py [--time-limit 10] [--only gpt2_xl]
+    python benchmarks/bench_planner.py [--time-limit 10] [--wall-limit 10] [--only gpt2_xl]
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ def cases():
             yield m, 32, mode, 2, 10 * GiB
 
 
-def run_case(model, batch, mode, gpus, cap, time_limit, workers) -> dict:
+def run_case(model, batch, mode, gpus, cap, time_limit, workers, wall_limit) -> dict:
     profile = load_profile(model)
     hw = get_hardware("1080ti-x4").with_gpus(gpus)
     t0 = time.perf_counter()
@@ -76,13 +81,25 @@ def run_case(model, batch, mode, gpus, cap, time_limit, workers) -> dict:
         "config_status": conf.get("status"), "config_bound_s": conf.get("bound"), "config_gap": conf.get("gap"),
         "space_bound_s": s["bound"], "space_gap": s["gap"],
         "timeline_objective_s": tl.get("objective"), "timeline_gap": tl.get("gap"),
-        "ours_search_s": ours.search_time_s,
+        "ours_search_s": ours.search_time_s, "ours_work_s": s["work_s"],
         "speedup": hp.simulated_iteration_time_s / ours.simulated_iteration_time_s,
         "lower_bound_s": s["lower_bound_s"], "efficiency": s["lower_bound_s"] / ours.simulated_iteration_time_s,
         "harmony_compute_share": harmony_compute / hp.simulated_iteration_time_s,
         "ours_compute_s": ours_compute, "ours_compute_share": ours_compute / ours.simulated_iteration_time_s,
         "speedup_at_ours_compute": hp.simulated_iteration_time_s / ours_compute,
     }
+    # the same search within a wall-clock limit
+    w = plan(profile, hw, batch, PlannerOptions(time_limit=time_limit, wall_limit=wall_limit, workers=workers,
+                                                uneven=True), memory_cap=cap)
+    ws = w.solver
+    row.update({
+        "walled_time_s": w.simulated_iteration_time_s, "walled_speedup": hp.simulated_iteration_time_s /
+        w.simulated_iteration_time_s, "walled_fidelity": ws["fidelity"],
+        "walled_config_gap": (ws.get("configuration") or {}).get("gap"), "walled_space_gap": ws["gap"],
+        "walled_timeline_gap": (ws.get("timeline") or {}).get("gap"), "walled_search_s": w.search_time_s,
+        "walled_stopped_by_wall": ws["stopped_by_wall"],
+        "walled_same_plan": w.to_json() == ours.to_json(),
+    })
     # Harmony's decision space under Harmony's cost model
     t0 = time.perf_counter()
     h_all = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=gpus, packing_fwd="all", packing_bwd="all",
@@ -107,7 +124,10 @@ def report(df: pd.DataFrame, a) -> str:
     med = statistics.median(df.speedup)
     shown = df[["model", "batch", "mode", "gpus", "harmony_time_s", "ours_time_s", "speedup", "ours_config",
                 "ours_objective_s", "fidelity", "config_status", "config_gap", "space_gap", "timeline_gap",
-                "ours_search_s", "efficiency"]]
+                "ours_search_s", "ours_work_s", "efficiency"]]
+    walled = df[["model", "batch", "mode", "gpus", "walled_time_s", "walled_speedup", "walled_fidelity",
+                 "walled_config_gap", "walled_space_gap", "walled_timeline_gap", "walled_search_s",
+                 "walled_stopped_by_wall", "walled_same_plan"]]
     busy = df[["model", "batch", "mode", "gpus", "harmony_time_s", "harmony_compute_share", "ours_time_s",
                "ours_compute_s", "ours_compute_share", "speedup", "speedup_at_ours_compute"]]
     slow = df[df.speedup < 1.10]
@@ -116,7 +136,8 @@ def report(df: pd.DataFrame, a) -> str:
     count = lambda col, limit: int((df[col].fillna(float("inf")) <= limit).sum())  # noqa: E731
     return (
         f"# The CP-SAT planner against Harmony's search, one simulator\n\n"
-        f"Command: `python benchmarks/bench_planner.py --time-limit {a.time_limit:g} --workers {a.workers}`; "
+        f"Command: `python benchmarks/bench_planner.py --time-limit {a.time_limit:g} --wall-limit {a.wall_limit:g} "
+        f"--workers {a.workers}`; "
         f"every column of every case in `planner.csv`. Machine: {machine_description()}.\n\n"
         f"## Full decision space, default cost model\n\n"
         f"Harmony: its search at the case's mode and GPU count, published packing heuristics. Ours: mode, GPU count, "
@@ -124,7 +145,13 @@ def report(df: pd.DataFrame, a) -> str:
         f"`ours_objective_s`: the planner's model of the simulator for the returned plan; `fidelity` = "
         f"|model - simulated| / simulated; `config_*`: what was proven for the chosen configuration (gap to its "
         f"bound); `space_gap`: gap to the bound over every configuration searched; `timeline_gap`: the timeline "
-        f"model of the plan's events (docs/planner.md).\n\n{markdown_table(shown)}\n"
+        f"model of the plan's events (docs/planner.md); `ours_work_s`: the work seconds the search was charged "
+        f"(deterministic), against its wall time `ours_search_s`.\n\n{markdown_table(shown)}\n"
+        f"## Within {a.wall_limit:g} s of wall-clock time\n\n"
+        f"The same search with `--wall-limit {a.wall_limit:g}` as well: each step also stops where its share of "
+        f"the wall time has passed (docs/planner.md, section 4). `walled_stopped_by_wall`: the wall clock, not the "
+        f"work budget, ended it (the plan then depends on this machine's speed); `walled_same_plan`: the plan file "
+        f"equals the one above.\n\n{markdown_table(walled)}\n"
         f"## Where the time goes\n\n"
         f"`*_compute_share`: the busiest GPU's compute time / the iteration time, in the simulator's timeline; "
         f"`ours_compute_s`: that compute time for our plan; `speedup_at_ours_compute` = harmony_time_s / "
@@ -146,7 +173,16 @@ def report(df: pd.DataFrame, a) -> str:
         f"{df.fidelity.max():.4f}).\n"
         f"- Gap <= 2 %: chosen configuration {count('config_gap', 0.02)}/{n}; timeline model "
         f"{count('timeline_gap', 0.02)}/{n}; every configuration searched {count('space_gap', 0.02)}/{n}.\n"
-        f"- Search time <= 10 s: {count('ours_search_s', 10.0)}/{n} (max {df.ours_search_s.max():.1f} s).\n"
+        f"- Search time <= 10 s: {count('ours_search_s', 10.0)}/{n} (max {df.ours_search_s.max():.1f} s; wall / "
+        f"work {(df.ours_search_s / df.ours_work_s).min():.2f}-{(df.ours_search_s / df.ours_work_s).max():.2f}).\n"
+        f"- With `--wall-limit {a.wall_limit:g}`: search {df.walled_search_s.min():.1f}-"
+        f"{df.walled_search_s.max():.1f} s (<= {a.wall_limit:g} s in {count('walled_search_s', a.wall_limit)}/{n}), "
+        f"stopped by the wall clock in {int(df.walled_stopped_by_wall.sum())}/{n}, the same plan in "
+        f"{int(df.walled_same_plan.sum())}/{n}; gap <= 2 %: chosen configuration "
+        f"{count('walled_config_gap', 0.02)}/{n}, timeline model {count('walled_timeline_gap', 0.02)}/{n}, every "
+        f"configuration searched {count('walled_space_gap', 0.02)}/{n}; fidelity <= 3 % "
+        f"{count('walled_fidelity', 0.03)}/{n}; speed-up median {df.walled_speedup.median():.3f} (minimum "
+        f"{df.walled_speedup.min():.3f}).\n"
         f"- Cases under 1.10: {len(slow)}/{n}; in them our plan's busiest GPU computes "
         f"{slow.ours_compute_share.min():.1%} to {slow.ours_compute_share.max():.1%} of the iteration, and even with "
         f"no idle time our plan's compute would give {slow.speedup_at_ours_compute.min():.3f} to "
@@ -157,6 +193,7 @@ def report(df: pd.DataFrame, a) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--wall-limit", type=float, default=10.0, help="the wall-clock limit of the walled run")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--only", help="run one model only")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner"))
@@ -165,12 +202,14 @@ def main(argv=None):
     for case in cases():
         if a.only and case[0] != a.only:
             continue
-        row = run_case(*case, a.time_limit, a.workers)
+        row = run_case(*case, a.time_limit, a.workers, a.wall_limit)
         rows.append(row)
         print(f"{row['model']:11s} D={row['batch']} {row['mode']} x{row['gpus']}: harmony {row['harmony_time_s']:.3f} s, "
               f"ours {row['ours_time_s']:.3f} s ({row['ours_config']}), speed-up {row['speedup']:.3f}, "
               f"model {row['ours_objective_s']}, fidelity {row['fidelity']}, config gap {row['config_gap']}, "
               f"space gap {row['space_gap']}, timeline gap {row['timeline_gap']}, {row['ours_search_s']:.1f} s | "
+              f"walled: {row['walled_time_s']:.3f} s, config gap {row['walled_config_gap']}, "
+              f"{row['walled_search_s']:.1f} s | "
               f"harmony space: all {row['hspace_harmony_all_s']:.3f} ours {row['hspace_ours_s']:.3f}", flush=True)
     df = pd.DataFrame(rows)
     if a.only:

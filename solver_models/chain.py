@@ -146,8 +146,10 @@ def sequence(tasks: Tasks, chosen: set[int]) -> list[int]:
 
 
 def solve(tasks: Tasks, *, time_limit: float = 5.0, seed: int = 0, workers: int = 1, rel_gap: float = 1e-3,
-          hint: list[int] | None = None, report=None, label: str = "") -> cpsat.SolveResult:
-    """Solve one chain configuration; ``time_limit`` is in CP-SAT's deterministic seconds (reproducible)."""
+          hint: list[int] | None = None, report=None, label: str = "", wall_limit: float | None = None
+          ) -> cpsat.SolveResult:
+    """Solve one chain configuration; ``time_limit`` is in CP-SAT's deterministic seconds (reproducible),
+    ``wall_limit`` in wall-clock seconds (not reproducible where it binds)."""
     m, x = build(tasks)
     if hint is not None:
         chosen = set(hint)
@@ -156,4 +158,4 @@ def solve(tasks: Tasks, *, time_limit: float = 5.0, seed: int = 0, workers: int 
     def decode(value):
         return sequence(tasks, {k for k, xk in enumerate(x) if value(xk)})
     return cpsat.run(m, decode, time_limit=time_limit, seed=seed, workers=workers, rel_gap=rel_gap, report=report,
-                     label=label, variables=len(x))
+                     label=label, variables=len(x), wall_limit=wall_limit)

@@ -70,14 +70,18 @@ def complete_hint(model: cp_model.CpModel, fixed: dict) -> bool:
     return True
 
 
-def solver(*, time_limit: float, seed: int, workers: int, rel_gap: float, **params) -> cp_model.CpSolver:
+def solver(*, time_limit: float, seed: int, workers: int, rel_gap: float, wall_limit: float | None = None,
+           **params) -> cp_model.CpSolver:
     """A solver set up the way every model here is solved: a deterministic time limit (same inputs,
     seed and workers, same answer), interleaved search when there are several workers, and no
-    presolve; ``params``: further solver parameters by name."""
+    presolve; ``wall_limit``: wall-clock seconds at most (the answer then depends on the machine's
+    speed where it binds); ``params``: further solver parameters by name."""
     s = cp_model.CpSolver()
     p = s.parameters
     p.max_deterministic_time = float(time_limit)
     p.max_time_in_seconds = 4.0 * float(time_limit) + 5.0     # a guard only; the deterministic limit binds first
+    if wall_limit is not None:
+        p.max_time_in_seconds = max(0.0, min(p.max_time_in_seconds, float(wall_limit)))
     p.num_workers = int(workers)
     p.interleave_search = int(workers) > 1
     p.random_seed = int(seed)
@@ -91,11 +95,11 @@ def solver(*, time_limit: float, seed: int, workers: int, rel_gap: float, **para
 
 
 def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_limit: float, seed: int, workers: int,
-        rel_gap: float, report=None, label: str = "", variables: int = 0) -> SolveResult:
+        rel_gap: float, report=None, label: str = "", variables: int = 0, wall_limit: float | None = None) -> SolveResult:
     """Solve ``model`` (minimizing) under a deterministic time limit; ``decode(value)`` turns an
     assignment into a task sequence."""
     t0 = time.perf_counter()
-    solver_ = solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=rel_gap)
+    solver_ = solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=rel_gap, wall_limit=wall_limit)
     cb = Progress(report, label, decode)
     status = solver_.solve(model, cb)
     name = solver_.status_name(status)

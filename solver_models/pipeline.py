@@ -40,9 +40,11 @@ class Layout:
     rows: list[np.ndarray]      # rows[j] = task rows that may sit at position j
 
 
-def layout(tasks: Tasks, max_fwd: int, max_bwd: int) -> Layout:
+def layout(tasks: Tasks, max_fwd: int, max_bwd: int, most: int | None = None) -> Layout | None:
     """Positions 0 .. max_fwd + max_bwd; keep (j, row) only if the row's start is reachable at j
-    and the chain can still be completed from its end in the positions left."""
+    and the chain can still be completed from its end in the positions left. None once more than
+    ``most`` (position, row) pairs are kept: the caller does not build models that large, and
+    the rest of the layout would cost it up to a second on 1,000-layer models."""
     t, R = tasks.table, tasks.num_layers
     J = max_fwd + 1 + max_bwd
     min_b = min_packs(tasks, B)
@@ -50,7 +52,7 @@ def layout(tasks: Tasks, max_fwd: int, max_bwd: int) -> Layout:
     reach_f = np.zeros(R + 1, bool)
     reach_f[0] = True
     reach_b = np.zeros(R + 1, bool)     # backward path at boundary v: layers 0..v-1 still to cover
-    rows = []
+    rows, size = [], 0
     for j in range(J):
         left = J - j - 1
         finish = np.where(s > 0, min_b[s], 0) <= left
@@ -58,6 +60,9 @@ def layout(tasks: Tasks, max_fwd: int, max_bwd: int) -> Layout:
         ok_c = (kind == C) & reach_f[s] & (j <= max_fwd) & finish
         ok_b = (kind == B) & reach_b[np.minimum(e + 1, R)] & finish
         rows.append(np.flatnonzero(ok_f | ok_c | ok_b))
+        size += len(rows[-1])
+        if most is not None and size > most:
+            return None
         reach_f = np.zeros(R + 1, bool)
         reach_f[e[ok_f] + 1] = True
         reach_b = np.zeros(R + 1, bool)
@@ -171,9 +176,10 @@ def build(tasks: Tasks, lay: Layout):
 
 def solve(tasks: Tasks, *, max_fwd: int = 0, max_bwd: int = 0, layout_: Layout | None = None, time_limit: float = 5.0,
           seed: int = 0, workers: int = 1, rel_gap: float = 1e-3, hint: list[int] | None = None, report=None,
-          label: str = "") -> cpsat.SolveResult:
+          label: str = "", wall_limit: float | None = None) -> cpsat.SolveResult:
     """Solve one vPP configuration with at most ``max_fwd`` forward and ``max_bwd`` backward packs
-    (or on ``layout_``); ``time_limit`` is in CP-SAT's deterministic seconds (reproducible)."""
+    (or on ``layout_``); ``time_limit`` is in CP-SAT's deterministic seconds (reproducible),
+    ``wall_limit`` in wall-clock seconds (not reproducible where it binds)."""
     lay = layout_ or layout(tasks, max_fwd, max_bwd)
     m, x = build(tasks, lay)
     if hint is not None and len(hint) <= lay.positions:
@@ -184,4 +190,5 @@ def solve(tasks: Tasks, *, max_fwd: int = 0, max_bwd: int = 0, layout_: Layout |
     def decode(value):
         return [k for j in range(lay.positions) for k in lay.rows[j] if value(x[j, int(k)])]
     return cpsat.run(m, lambda value: [int(k) for k in decode(value)], time_limit=time_limit, seed=seed,
-                     workers=workers, rel_gap=rel_gap, report=report, label=label, variables=len(x))
+                     workers=workers, rel_gap=rel_gap, report=report, label=label, variables=len(x),
+                     wall_limit=wall_limit)

@@ -73,6 +73,8 @@ class PlannerOptions:
     mode: str = "auto"              # auto | vPP | vDP
     gpus: int | None = None         # None: try 1 .. hardware.gpus
     time_limit: float = 10.0        # work seconds for the whole search (deterministic accounting, see Budget)
+    wall_limit: float | None = None  # wall-clock seconds at most (None: none); plans depend on the machine
+                                     # where it binds (plan.solver["stopped_by"] says so)
     seed: int = 0
     workers: int = 1                # CP-SAT workers; >1 runs interleaved (deterministic) search
     rel_gap: float = 1e-3
@@ -89,7 +91,11 @@ class Budget:
     """Work seconds, counted deterministically so that the same inputs give the same plan on a busy
     or an idle machine: CP-SAT's deterministic time plus fixed costs per unit of the other work,
     measured on a 2-core machine (benchmarks/results/planner.md); they track wall time within a
-    small factor."""
+    small factor, which drifts with the machine's load (1.0-2.6x by stage in one session).
+
+    With ``wall`` seconds, each step also stops where its share of them has passed (``left``) and
+    CP-SAT at the wall seconds left (``wall_left``): the search ends in time on a slow machine,
+    and ``stopped_by_wall`` records that the wall clock, not the work, decided where it stopped."""
 
     PER_BOUND = 1.2e-3      # a configuration's cheap bound (config_bound)
     PER_PATH_LAYER = 2.5e-4  # a vPP configuration's path bound (pipeline_path_bound), per layer
@@ -107,14 +113,36 @@ class Budget:
     PER_SOLVE = 0.05        # CP-SAT's start-up, which its deterministic clock barely counts
     PER_TIMELINE_EVENT = 2.5e-4  # the timeline model, per event, besides its time limit
 
-    def __init__(self, total: float):
+    def __init__(self, total: float, wall: float | None = None):
         self.total, self.used = float(total), 0.0
+        self.wall, self.started, self.stopped_by_wall = wall, time.perf_counter(), False
 
     def spend(self, seconds: float) -> None:
         self.used += seconds
 
-    def left(self, share: float = 1.0) -> float:
-        return share * self.total - self.used
+    def left(self, share: float = 1.0, reserve: float = 0.0) -> float:
+        """Work seconds left of ``share`` of the budget, less ``reserve`` (kept for a later step)."""
+        work = share * self.total - self.used - reserve
+        if self.wall is not None:
+            wall = self.wall_left(share) - reserve
+            if wall <= 0 < work:
+                self.stopped_by_wall = True
+                return wall
+        return work
+
+    def wall_left(self, share: float = 1.0) -> float | None:
+        """Wall seconds left of ``share`` of the wall limit (None without one)."""
+        return None if self.wall is None else share * self.wall - (time.perf_counter() - self.started)
+
+    def cp_sat_limits(self, limit: float, share: float = 1.0) -> dict:
+        """CP-SAT's limits for a solve of ``limit`` work seconds within ``share`` of the wall limit."""
+        wall = self.wall_left(share)
+        return {"time_limit": limit, "wall_limit": None if wall is None else max(0.05, wall)}
+
+    def solved(self, status: str, wall_time: float, limits: dict) -> None:
+        """Note a CP-SAT solve (``limits`` from cp_sat_limits) that its wall limit stopped unfinished."""
+        if limits["wall_limit"] is not None and status != "OPTIMAL" and wall_time >= 0.95 * limits["wall_limit"]:
+            self.stopped_by_wall = True
 
 
 def _validate(opts: PlannerOptions, hw: Hardware, batch: int) -> None:
@@ -124,8 +152,10 @@ def _validate(opts: PlannerOptions, hw: Hardware, batch: int) -> None:
         raise UsageError(f"--gpus {opts.gpus}: hardware {hw.name!r} has {hw.gpus} GPU(s)")
     if batch < 1:
         raise UsageError(f"--batch must be >= 1, got {batch}")
-    if not opts.time_limit > 0:
+    if not 0 < opts.time_limit < math.inf:
         raise UsageError(f"--time-limit must be > 0 seconds, got {opts.time_limit}")
+    if opts.wall_limit is not None and not 0 < opts.wall_limit < math.inf:
+        raise UsageError(f"--wall-limit must be > 0 seconds, got {opts.wall_limit}")
     if opts.cost_model not in ("default", "harmony"):
         raise UsageError(f"--cost-model must be default or harmony, got {opts.cost_model!r}")
 
@@ -292,6 +322,46 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         bound = max(bound, float(np.min(np.maximum.reduce([best, np.broadcast_to(one, best.shape),
                                                             np.minimum(best_ends, few)]))))
     return bound
+
+
+def compute_floor(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool) -> float:
+    """At most config_bound (same arguments), a hundred times cheaper: the backward work per GPU,
+    every layer on every microbatch (a layer with a stash variant at least the least of its
+    recompute, its backward without it and its saved activations' way in, each of which
+    config_bound's mixes count at least); inf where no criterion pack fits, as config_bound."""
+    R = profile.num_layers
+    if not (profile.costs("BWD", cfg.u_bwd).pack_memory(np.arange(R), np.full(R, R - 1)) <= cap).any():
+        return float("inf")
+    share = batch if cfg.mode == "vPP" else max(data_shares(batch, cfg.gpus))
+    ub = split_microbatches(share, cfg.u_bwd)
+    ok = stash and stashable_layers(profile, hw, cfg, split_microbatches(share, cfg.u_fwd), ub)
+    wait = (cfg.gpus if cfg.mode == "vDP" else 1) if hw.shared_host_link else 1
+    work = 0.0
+    for u, k in collections.Counter(ub).items():
+        c = profile.costs("BWD", u)
+        least = np.minimum.reduce([c.time, np.maximum(c.time - forward_costs(profile, u).time, 0.0),
+                                   c.saved * wait / hw.h2d_bandwidth])
+        work += k * float(np.where(ok, least, c.time).sum())
+    return work / cfg.ranks
+
+
+def in_bound_order(configs: list[Config], floor: dict, bound, first: Config | None = None):
+    """``(configuration, bound(configuration))`` in the order of (bound, name), ``first`` first,
+    computing ``bound`` only for the configurations reached: each waits in the queue at its
+    ``floor`` (a lower bound on ``bound``) until it is the least, then at its bound. Where the
+    caller stops once the bound reaches its best plan, most are never computed."""
+    if first is not None and first in floor:
+        b = bound(first)
+        if np.isfinite(b):
+            yield first, b
+    heap = [(floor[c], str(c), False, c) for c in configs if c != first]
+    heapq.heapify(heap)
+    while heap:
+        key, name, exact, c = heapq.heappop(heap)
+        if exact:
+            yield c, key
+        else:
+            heapq.heappush(heap, (bound(c), name, True, c))
 
 
 def _pipeline_hops(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int,
@@ -819,19 +889,20 @@ def _harmony(S: _Search) -> Plan | None:
     return best
 
 
-def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent: Plan | None, stats: dict):
-    """Step 2: a first solution per configuration in bound order, until the bound reaches the best
-    model value (the rest is pruned) or the budget share runs out. Returns (candidates, the least
-    bound of the configurations not reached)."""
+def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, stats: dict):
+    """Step 2: a first solution per configuration in bound order (``ordered``: (configuration,
+    bound) pairs, ``total`` of them), until the bound reaches the best model value (the rest is
+    pruned) or the budget share runs out. Returns (candidates, the least bound of the
+    configurations not reached)."""
     hint_cfg = None if incumbent is None else Config.of(incumbent)
     found, best_value = [], float("inf")
-    for i, cfg in enumerate(configs):
-        if bounds[cfg] >= best_value:
-            stats["pruned"] += len(configs) - i
+    for i, (cfg, cfg_bound) in enumerate(ordered):
+        if cfg_bound >= best_value:
+            stats["pruned"] += total - i
             return found, float("inf")
         if S.budget.left(0.45) <= 0:
-            stats["out_of_budget"] += len(configs) - i
-            return found, bounds[cfg]
+            stats["out_of_budget"] += total - i
+            return found, cfg_bound
         hint = None
         tasks = S.tasks(cfg, keep=pack_starts(incumbent) if cfg == hint_cfg else ())
         if cfg == hint_cfg:
@@ -850,14 +921,14 @@ def _first_solutions(S: _Search, configs: list[Config], bounds: dict, incumbent:
         # the DP's optimum bounds the configuration where no stash variant could beat it, and every
         # variant of the model where plans cannot keep gradients on the GPU either (_tighten)
         chain_ = cfg.ranks == 1
-        bound = max(bounds[cfg], dp_bound if dp_bound is not None and not S.stash(cfg) else 0.0)
+        bound = max(cfg_bound, dp_bound if dp_bound is not None and not S.stash(cfg) else 0.0)
         kept = chain_ and S.handoff(cfg)
-        found.append(_Candidate(cfg, tasks, seq, value, bound, bounds[cfg] if kept else bound,
+        found.append(_Candidate(cfg, tasks, seq, value, bound, cfg_bound if kept else bound,
                                 "dp" if dp_bound is not None else "balanced",
                                 tight=not (chain_ and S.stash(cfg)), tight_floor=not kept))
         if value < best_value:
             best_value = value
-            S.say(f"[{i + 1}/{len(configs)}] {cfg}: model {value:.4f} s  <- best so far")
+            S.say(f"[{i + 1}/{total}] {cfg}: model {value:.4f} s  <- best so far")
     return found, float("inf")
 
 
@@ -1015,19 +1086,22 @@ def _cp_sat(S: _Search, found: list[_Candidate]) -> None:
         lay, size = None, len(tasks.table)
         if c.cfg.ranks > 1:
             nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
-            lay = pipeline.layout(tasks, nf + 2 * c.cfg.ranks, len(seq) - nf + 2 * c.cfg.ranks)
-            size = sum(len(r) for r in lay.rows)
-            if size > MAX_PIPELINE_VARIABLES:
+            lay = pipeline.layout(tasks, nf + 2 * c.cfg.ranks, len(seq) - nf + 2 * c.cfg.ranks,
+                                  most=MAX_PIPELINE_VARIABLES)
+            if lay is None:
                 continue
+            size = sum(len(r) for r in lay.rows)
         build_cost = Budget.PER_MODEL_ROW * size + Budget.PER_SOLVE
         limit = min(left - build_cost, 0.4 * S.budget.total)
         if limit < 0.2:
             continue
         S.budget.spend(build_cost)
-        common = dict(time_limit=limit, seed=S.opts.seed, workers=S.opts.workers, rel_gap=S.opts.rel_gap, hint=seq,
+        limits = S.budget.cp_sat_limits(limit, 0.85 - S.timeline_share)
+        common = dict(**limits, seed=S.opts.seed, workers=S.opts.workers, rel_gap=S.opts.rel_gap, hint=seq,
                       report=S.say, label=str(c.cfg))
         res = chain.solve(tasks, **common) if lay is None else pipeline.solve(tasks, layout_=lay, **common)
         S.budget.spend(res.deterministic_time)
+        S.budget.solved(res.status, res.wall_time, limits)
         c.solve = res
         if res.objective is not None:
             v = evaluate(tasks, res.sequence)
@@ -1114,7 +1188,7 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
             if key in judged:
                 continue
             judged.add(key)
-            if S.budget.left() - reserve <= 0:
+            if S.budget.left(reserve=reserve) <= 0:
                 return plan_, t_best
             cand = S.plan_of(c, seq)
             t = S.judge(cand)
@@ -1145,8 +1219,11 @@ def _timeline(S: _Search, plan_: Plan) -> dict | None:
     if limit < 0.05:
         return None
     S.budget.spend(Budget.PER_TIMELINE_EVENT * events + limit * slow)
-    tr = solve_timeline(plan_, S.profile, S.hw, time_limit=limit, seed=S.opts.seed, workers=S.opts.workers,
-                        report=S.say)
+    limits = S.budget.cp_sat_limits(limit)
+    if limits["wall_limit"] is not None:        # the model's building counts against the wall too
+        limits["wall_limit"] = max(0.05, limits["wall_limit"] - Budget.PER_TIMELINE_EVENT * events)
+    tr = solve_timeline(plan_, S.profile, S.hw, **limits, seed=S.opts.seed, workers=S.opts.workers, report=S.say)
+    S.budget.solved(tr.status, tr.wall_time, limits)
     return {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "gap": tr.gap,
             "events": tr.events, "wall_time_s": tr.wall_time}
 
@@ -1207,27 +1284,26 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     model_host_memory(profile).check(hw, f"every plan of {profile.name}")
     t_start = time.perf_counter()
     S = _Search(profile, hw, batch, int(memory_cap or hw.gpu_memory_bytes), opts,
-                Budget(0.95 * opts.time_limit),      # the rest: the report, and what the charges miss
+                # the rest: the report, and what the charges miss
+                Budget(0.95 * opts.time_limit, None if opts.wall_limit is None else 0.9 * opts.wall_limit),
                 report or (lambda s: None),
                 {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()},
                 host_check=may_bind(profile, hw, batch))
     incumbent = _harmony(S) if opts.hint else None
     harmony_t = incumbent.simulated_iteration_time_s if incumbent is not None else None
 
-    # 1. configurations in the order of their cheap bound, the hint's first (its value prunes early)
+    # 1. configurations in the order of their cheap bound, the hint's first (its value prunes early);
+    # the bound is computed for those the search reaches (in_bound_order), charged for all as before
     configs = configurations(profile, hw, batch, opts)
-    bounds = {c: config_bound(profile, hw, batch, c, S.cap, S.stash(c)) for c in configs}
     S.budget.spend(Budget.PER_BOUND * len(configs))
-    configs = sorted((c for c in configs if np.isfinite(bounds[c])), key=lambda c: (bounds[c], str(c)))
-    if incumbent is not None:
-        hint_cfg = Config.of(incumbent)
-        if hint_cfg in configs:
-            configs.remove(hint_cfg)
-            configs.insert(0, hint_cfg)
+    floor = {c: compute_floor(profile, hw, batch, c, S.cap, S.stash(c)) for c in configs}
+    configs = [c for c in configs if np.isfinite(floor[c])]
+    ordered = in_bound_order(configs, floor, lambda c: config_bound(profile, hw, batch, c, S.cap, S.stash(c)),
+                             None if incumbent is None else Config.of(incumbent))
     S.say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound")
     stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
 
-    found, open_bound = _first_solutions(S, configs, bounds, incumbent, stats)            # 2
+    found, open_bound = _first_solutions(S, ordered, len(configs), incumbent, stats)       # 2
     if not found and incumbent is None:
         raise S.infeasible()
     _local_search(S, found)
@@ -1260,6 +1336,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
         "timeline": timeline,
         "wall_time_s": time.perf_counter() - t_start,
         "work_s": S.budget.used,
+        "stopped_by_wall": S.budget.stopped_by_wall,
         "lower_bound_s": lb["bound_s"],
         "gap_to_lower_bound": (best_t - lb["bound_s"]) / best_t,
         "harmony_time_s": harmony_t,

@@ -83,8 +83,9 @@ def reservations(ev) -> list[tuple[int, bool, int, int]]:
 
 
 def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: float = 5.0, seed: int = 0,
-                   workers: int = 1, report=None) -> TimelineResult:
-    """Schedule ``plan``'s events optimally (up to ``time_limit`` deterministic seconds)."""
+                   workers: int = 1, report=None, wall_limit: float | None = None) -> TimelineResult:
+    """Schedule ``plan``'s events optimally (up to ``time_limit`` deterministic seconds and, if given,
+    ``wall_limit`` wall-clock seconds)."""
     t0 = time.perf_counter()
     plan.check_against(profile, hw)
     cap = int(plan.memory_cap or hw.gpu_memory_bytes)
@@ -141,7 +142,8 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     m.minimize(T)
     # precedences and cumulative propagation give the bound, the LP only costs time; closing the
     # last 0.1 % can take seconds of wall time
-    solver = cpsat.solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=1e-3, linearization_level=0)
+    solver = cpsat.solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=1e-3, wall_limit=wall_limit,
+                          linearization_level=0)
     status = solver.solve(m)
     name = solver.status_name(status)
     wall = time.perf_counter() - t0

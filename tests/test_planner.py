@@ -10,7 +10,8 @@ from harmony_opt.baselines import plan_harmony
 from harmony_opt.plan import Plan, split_microbatches
 from harmony_opt.simulator import simulate
 from solver_models import chain, dp, pipeline, search
-from solver_models.planner import PlannerOptions, config_bound, pipeline_path_bound, plan
+from solver_models.planner import (PlannerOptions, compute_floor, config_bound, configurations, in_bound_order,
+                                   pipeline_path_bound, plan)
 from solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts, stashable_layers
 from solver_models.timing import evaluate, pack_starts, packs_of, phase_parts, sequence_of, sequence_of_plan
 
@@ -616,6 +617,45 @@ def test_planner_is_never_slower_than_harmony_and_beats_it_here():
     assert s["speedup_over_harmony"] > 1.05      # bert_large: Harmony's vPP packs are unbalanced
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(3, 40), st.integers(0, 1000), st.sampled_from([8, 16, 24]), st.floats(0.3, 1.5),
+       st.booleans(), st.booleans())
+def test_configurations_come_in_bound_order_with_bounds_computed_lazily(R, seed, batch, tight, stash, act):
+    """in_bound_order yields the hint's configuration, then the others sorted by (bound, name), as
+    sorting every bound would; the floor it queues them at is never above the bound (or the order
+    would be wrong); and a search that stops at the first bound over a threshold computes fewer
+    bounds than there are configurations."""
+    prof = synthetic_profile(R=R, seed=seed, act_scale=100 if act else 1)
+    hw = get_hardware("1080ti-x4")
+    cap = int(prof.costs("BWD", 8).pack_memory(0, R - 1) * tight)
+    configs = configurations(prof, hw, batch, PlannerOptions(uneven=True))
+    floor = {c: compute_floor(prof, hw, batch, c, cap, stash) for c in configs}
+    bound = {c: config_bound(prof, hw, batch, c, cap, stash) for c in configs}
+    for c in configs:
+        assert floor[c] <= bound[c] * (1 + 1e-12), c
+        assert np.isfinite(floor[c]) or not np.isfinite(bound[c])      # no criterion pack fits: both say so
+    live = [c for c in configs if np.isfinite(floor[c])]
+    first = live[len(live) // 2] if live else None
+    computed = []
+
+    def lazy(c):
+        computed.append(c)
+        return bound[c]
+    got = list(in_bound_order(live, floor, lazy, first))
+    rest = sorted((c for c in live if c != first and np.isfinite(bound[c])), key=lambda c: (bound[c], str(c)))
+    head = [first] if first is not None and np.isfinite(bound[first]) else []
+    assert [c for c, _ in got if np.isfinite(_)] == head + rest
+    assert all(b == bound[c] for c, b in got)
+    if rest:        # stopping at the median bound: a configuration whose floor is above it is never bounded
+        median = bound[rest[len(rest) // 2]]
+        computed.clear()
+        for c, b in in_bound_order(live, floor, lazy):
+            if b >= median:
+                break
+        assert all(floor[c] <= median for c in computed)
+        assert set(computed) >= {c for c in live if bound[c] < median}
+
+
 def test_same_seed_same_plan():
     prof = synthetic_profile(R=10, seed=5)
     hw = get_hardware("1080ti-x4").with_gpus(2)
@@ -623,6 +663,24 @@ def test_same_seed_same_plan():
     a = plan(prof, hw, 8, PlannerOptions(time_limit=5, hint=False, seed=1), memory_cap=cap)
     b = plan(prof, hw, 8, PlannerOptions(time_limit=5, hint=False, seed=1), memory_cap=cap)
     assert a.to_json() == b.to_json()
+    assert a.solver["stopped_by_wall"] is False     # no wall limit: the work budget alone decided
+
+
+def test_wall_limit_stops_the_search_and_says_so():
+    """A work budget of 60 s (a minute or more of wall time on resnet1026's 1,026 layers) under a
+    wall limit of 2 s: the search stops long before its work budget, says that the wall clock
+    decided, and returns a plan that plays within the cap as reported."""
+    prof = load_profile("resnet1026")
+    hw = get_hardware("1080ti-x4")
+    cap = 10 * 2**30
+    p = plan(prof, hw, 64, PlannerOptions(time_limit=60, wall_limit=2, uneven=True), memory_cap=cap)
+    assert p.solver["stopped_by_wall"] is True
+    assert p.solver["work_s"] < 0.5 * 60
+    assert p.search_time_s < 30          # generous for a slow machine; the work budget alone takes 60+ s
+    tl = simulate(p, prof, hw, memory_cap=cap)
+    assert max(tl.peak_memory().values()) <= cap
+    assert tl.iteration_time == pytest.approx(p.simulated_iteration_time_s)
+    assert p.simulated_iteration_time_s <= p.solver["harmony_time_s"]
 
 
 def test_infeasible_request_is_explained():
