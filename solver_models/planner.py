@@ -29,10 +29,13 @@ over all plans (harmony_opt.bound) and the speed-up over Harmony's search.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import heapq
 import logging
 import math
+import multiprocessing
 import time
 
 import numpy as np
@@ -77,6 +80,7 @@ class PlannerOptions:
                                      # where it binds (plan.solver["stopped_by"] says so)
     seed: int = 0
     workers: int = 1                # CP-SAT workers; >1 runs interleaved (deterministic) search
+    processes: int = 1              # processes simulating the descent's neighbours: the same plan, sooner
     rel_gap: float = 1e-3
     harmony_space: bool = False     # Harmony's space: its mode and GPUs, u_fwd >= u_bwd, sizes dividing the batch
     uneven: bool = False            # allow microbatch sizes that do not divide the batch
@@ -154,6 +158,8 @@ def _validate(opts: PlannerOptions, hw: Hardware, batch: int) -> None:
         raise UsageError(f"--batch must be >= 1, got {batch}")
     if not 0 < opts.time_limit < math.inf:
         raise UsageError(f"--time-limit must be > 0 seconds, got {opts.time_limit}")
+    if opts.processes < 1:
+        raise UsageError(f"--processes must be >= 1, got {opts.processes}")
     if opts.wall_limit is not None and not 0 < opts.wall_limit < math.inf:
         raise UsageError(f"--wall-limit must be > 0 seconds, got {opts.wall_limit}")
     if opts.cost_model not in ("default", "harmony"):
@@ -328,7 +334,9 @@ def compute_floor(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: 
     """At most config_bound (same arguments), a hundred times cheaper: the backward work per GPU,
     every layer on every microbatch (a layer with a stash variant at least the least of its
     recompute, its backward without it and its saved activations' way in, each of which
-    config_bound's mixes count at least); inf where no criterion pack fits, as config_bound."""
+    config_bound's mixes count at least); inf where no criterion pack fits, as config_bound. Rounded
+    down by a billionth: where the two are equal, their float sums may differ in the last bit, and a
+    floor above the bound would let in_bound_order visit tied configurations out of order."""
     R = profile.num_layers
     if not (profile.costs("BWD", cfg.u_bwd).pack_memory(np.arange(R), np.full(R, R - 1)) <= cap).any():
         return float("inf")
@@ -342,7 +350,7 @@ def compute_floor(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: 
         least = np.minimum.reduce([c.time, np.maximum(c.time - forward_costs(profile, u).time, 0.0),
                                    c.saved * wait / hw.h2d_bandwidth])
         work += k * float(np.where(ok, least, c.time).sum())
-    return work / cfg.ranks
+    return work / cfg.ranks * (1 - 1e-9)
 
 
 def in_bound_order(configs: list[Config], floor: dict, bound, first: Config | None = None):
@@ -773,6 +781,7 @@ class _Search:
     host_check: bool = False        # some plan could exceed the host's memory budgets (host_memory.may_bind)
     host_error: InfeasibleError | None = None   # the least host memory overrun of a plan judged
     host_blocked: list = dataclasses.field(default_factory=list)   # configurations without a plan that fits
+    pool: concurrent.futures.Executor | None = None    # other processes (_processes), or None
 
     @property
     def options(self) -> bool:          # per-pack options searched at all
@@ -823,10 +832,10 @@ class _Search:
                     allow_uneven=self.opts.uneven, gpu_handoff=c.handoff, memory_cap=self.cap,
                     cost_model=self.opts.cost_model, **self.ident)
 
-    def judge(self, plan_: Plan) -> float:
+    def judge(self, plan_: Plan, result: tuple[float, int] | None = None) -> float:
         """Simulated iteration time (inf if the simulator rejects the plan), charged to the budget by
-        the events the simulator played."""
-        t, events = played(plan_, self.profile, self.hw, self.opts.cost_model)
+        the events the simulator played; ``result``: ``played``'s, where another process simulated."""
+        t, events = played(plan_, self.profile, self.hw, self.opts.cost_model) if result is None else result
         harmony = self.opts.cost_model == "harmony"
         self.budget.spend((Budget.PER_HARMONY_EVENT if harmony else Budget.PER_EVENT) * events)
         return t if math.isinf(t) or self.fits_host(plan_) else float("inf")
@@ -865,6 +874,38 @@ class _Search:
         return explain_infeasible(self.profile, self.cap,
                                   feasible_sizes(self.profile, self.batch, "vDP", self.hw.gpus, "FWD"),
                                   feasible_sizes(self.profile, self.batch, "vDP", self.hw.gpus, "BWD"))
+
+
+_FORKED: _Search | None = None      # in a process of _processes: the search it was forked from
+
+
+def _forked(S: _Search) -> None:
+    global _FORKED
+    _FORKED = S
+
+
+def _play(plan_: Plan) -> tuple[float, int]:
+    """``played`` of ``plan_`` in a process of _processes."""
+    return played(plan_, _FORKED.profile, _FORKED.hw, _FORKED.opts.cost_model)
+
+
+@contextlib.contextmanager
+def _processes(S: _Search):
+    """``S.opts.processes`` processes for the local search and the simulator's descent, forked from
+    this one (so they start in milliseconds and hold the profile without unpickling it), as
+    ``S.pool``; None for one process. The search is pure Python: only processes run two parts of
+    it at once. Each step takes their results in the order one process would compute them, so
+    the plan does not depend on ``processes``."""
+    if S.opts.processes <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        yield
+        return
+    S.pool = concurrent.futures.ProcessPoolExecutor(S.opts.processes, mp_context=multiprocessing.get_context("fork"),
+                                                    initializer=_forked, initargs=(S,))
+    try:
+        yield
+    finally:
+        S.pool.shutdown(wait=False, cancel_futures=True)   # a step that stopped early leaves no wait
+        S.pool = None
 
 
 def _harmony(S: _Search) -> Plan | None:
@@ -1001,41 +1042,63 @@ def _local_search(S: _Search, found: list[_Candidate]) -> None:
     steps = 2000 if S.opts.time_limit >= 5 else 600
     lowest = min(vpp, key=lambda c: (c.bound, str(c.cfg)), default=None)
     extra = [lowest] if lowest is not None and all(lowest is not c for c in vpp[:3]) else []
-    for k, c in enumerate(vpp[:3] + extra):
+    todo = vpp[:3] + extra
+    # and from the packs that minimise the largest pack (search.partitioned): where the model rates
+    # that better, the first solution stays a candidate too, and the simulator judges both. Not
+    # under Harmony's cost model, whose simulator the model does not describe: it plays such
+    # many-pack plans far slower than rated (resnet1026 D=64 vPP x4: 5.88 s, model 3.81 s)
+    partition = S.opts.cost_model == "default"
+    ahead = [S.pool.submit(_searched_in_process, c, steps, S.opts.seed + k, partition) for k, c in enumerate(todo)] \
+        if S.pool is not None else None
+    for k, c in enumerate(todo):
         if S.budget.left(0.6) <= 0:
             return
-        value, seq, work = search.improve(c.tasks, c.seq, steps, seed=S.opts.seed + k)
-        S.budget.spend(Budget.PER_STEP * steps + Budget.PER_TASK * work)
+        r = ahead[k].result() if ahead is not None else _searched(S, c, steps, S.opts.seed + k, partition)
+        # what one process does, step by step: the same charges, the same checks between them
+        value, seq, spent = r["improve"]
+        S.budget.spend(spent)
         if value < c.value:
             c.value, c.seq, c.how = value, seq, "search"
-        # and from the packs that minimise the largest pack (search.partitioned): where the model
-        # rates that better, the first solution stays a candidate too, and the simulator judges both.
-        # Not under Harmony's cost model, whose simulator the model does not describe: it plays
-        # such many-pack plans far slower than rated (resnet1026 D=64 vPP x4: 5.88 s, model 3.81 s)
-        if S.opts.cost_model == "default":
-            _from_partition(S, found, c, steps, seed=S.opts.seed + k)
+        if partition and S.budget.left(0.6) > 0:
+            spent, start = r["partition"]
+            S.budget.spend(spent)
+            if start < c.value and S.budget.left(0.6) > 0:  # only where it starts ahead: the descent
+                value, seq, spent, tasks = r["second"]       # rarely overtakes a better start
+                S.budget.spend(spent)
+                if value < c.value:
+                    found.append(dataclasses.replace(c))
+                    c.tasks, c.value, c.seq, c.how = tasks, value, seq, "search"
         S.say(f"local search {c.cfg}: model {c.value:.4f} s (bound {c.bound:.4f})")
 
 
-def _from_partition(S: _Search, found: list[_Candidate], c: _Candidate, steps: int, seed: int) -> None:
-    """Local search from the best of the packings that minimise the largest pack (search.partitioned),
-    at every layer boundary: a model of more layers than candidate boundaries (tasks.candidate_cuts)
-    is otherwise packed in blocks, and with as few microbatches as GPUs a pipeline idles by most
-    of the difference between consecutive packs (resnet1026 D=64 vPP x4 u=16/16: 3.813 s at the
-    129 candidate boundaries, 3.746 s at all 516)."""
-    if S.budget.left(0.6) <= 0:
-        return
-    tasks, seq = _every_boundary(S, c)
-    part, work = search.partitioned(tasks, S.profile, *search.partition_grid(tasks, seq))
-    S.budget.spend(Budget.PER_START * work)
-    start = min(part, key=lambda o: o[0], default=(float("inf"), None))
-    if start[0] >= c.value or S.budget.left(0.6) <= 0:
-        return          # only where it starts ahead: the descent rarely overtakes a better start
-    value, seq, work = search.improve(tasks, start[1], steps, seed=seed)
-    S.budget.spend(Budget.PER_STEP * steps + Budget.PER_TASK * work)
+def _searched(S: _Search, c: _Candidate, steps: int, seed: int, partition: bool) -> dict:
+    """The local search of one candidate, with what each part costs the budget, touching neither
+    (_local_search charges and applies it): ``improve``: the descent from ``c``'s sequence;
+    ``partition``: the packings that minimise the largest pack, at every layer boundary (a model
+    of more layers than candidate boundaries, tasks.candidate_cuts, is otherwise packed in blocks,
+    and with as few microbatches as GPUs a pipeline idles by most of the difference between
+    consecutive packs: resnet1026 D=64 vPP x4 u=16/16, 3.813 s at the 129 candidate boundaries,
+    3.746 s at all 516), and ``second``: the descent from the best of them where it starts ahead."""
+    value, seq, work = search.improve(c.tasks, c.seq, steps, seed=seed)
+    out = {"improve": (value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work)}
+    if not partition:
+        return out
     if value < c.value:
-        found.append(dataclasses.replace(c))
-        c.tasks, c.value, c.seq, c.how = tasks, value, seq, "search"
+        c = dataclasses.replace(c, value=value, seq=seq)
+    scratch = dataclasses.replace(S, budget=Budget(S.budget.total), pool=None)     # counts _every_boundary's
+    tasks, seq = _every_boundary(scratch, c)
+    part, work = search.partitioned(tasks, S.profile, *search.partition_grid(tasks, seq))
+    start = min(part, key=lambda o: o[0], default=(float("inf"), None))
+    out["partition"] = (scratch.budget.used + Budget.PER_START * work, start[0])
+    if start[0] < c.value:
+        value, seq, work = search.improve(tasks, start[1], steps, seed=seed)
+        out["second"] = (value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work,
+                         tasks if value < c.value else None)
+    return out
+
+
+def _searched_in_process(c: _Candidate, steps: int, seed: int, partition: bool) -> dict:
+    return _searched(_FORKED, c, steps, seed, partition)
 
 
 def _every_boundary(S: _Search, c: _Candidate) -> tuple[Tasks, list]:
@@ -1171,33 +1234,47 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
     placement (search.neighbours, a fixed order); stop at a local optimum or when the budget share
     is spent. The scan goes on from the neighbour that improved (the same move often improves
     again) instead of starting over, and a plan simulated once is not simulated again: it was
-    slower than the best then, and the best only gets faster. Updates ``c``."""
+    slower than the best then, and the best only gets faster. Updates ``c``.
+
+    With ``processes`` > 1 the next neighbours in the scan are simulated at once, one per process,
+    and their results taken in scan order as one process would take them: a result after an
+    improving neighbour is dropped, not charged, so the plan does not depend on ``processes``."""
     # kept: the timeline model's share, and the vPP path bounds the report may need (_tighten)
     loose = sum(1 for f in found if f.cfg.ranks > 1 and not f.pathed and f.bound < c.value)
     reserve = S.timeline_reserve(plan_) + Budget.PER_PATH_LAYER * S.profile.num_layers * min(loose, 4)
     judged = {tuple(c.seq)}
     at = 0              # where the scan goes on: the position of the last improving move
+    width, pool = max(1, S.opts.processes), S.pool
     improved = True
     while improved:
         improved = False
         moves = list(search.neighbours(c.tasks, c.seq))
-        for k in range(len(moves)):
+        scan, seen = [], set(judged)
+        for k in range(len(moves)):         # the neighbours not simulated yet, in scan order
             i = (at + k) % len(moves)
-            seq = moves[i]
-            key = tuple(seq)
-            if key in judged:
-                continue
-            judged.add(key)
+            if tuple(moves[i]) not in seen:
+                seen.add(tuple(moves[i]))
+                scan.append(i)
+        for first in range(0, len(scan), width):
+            batch = scan[first:first + width]
             if S.budget.left(reserve=reserve) <= 0:
                 return plan_, t_best
-            cand = S.plan_of(c, seq)
-            t = S.judge(cand)
-            S.budget.spend(Budget.PER_TASK * len(seq))
-            if t < t_best * (1 - 1e-9):
-                S.say(f"simulated neighbour of {c.cfg}: {t:.4f} s  <- best")
-                plan_, t_best, at = cand, t, i
-                c.seq, c.value, c.how, c.proof = seq, evaluate(c.tasks, seq), "polish", None
-                improved = True
+            cands = [S.plan_of(c, moves[i]) for i in batch]
+            results = list(pool.map(_play, cands)) if pool is not None else [None] * len(cands)
+            for j, (i, cand, result) in enumerate(zip(batch, cands, results)):
+                if j and S.budget.left(reserve=reserve) <= 0:
+                    return plan_, t_best
+                seq = moves[i]
+                judged.add(tuple(seq))
+                t = S.judge(cand, result)
+                S.budget.spend(Budget.PER_TASK * len(seq))
+                if t < t_best * (1 - 1e-9):
+                    S.say(f"simulated neighbour of {c.cfg}: {t:.4f} s  <- best")
+                    plan_, t_best, at = cand, t, i
+                    c.seq, c.value, c.how, c.proof = seq, evaluate(c.tasks, seq), "polish", None
+                    improved = True
+                    break
+            if improved:
                 break
     return plan_, t_best
 
@@ -1306,13 +1383,14 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     found, open_bound = _first_solutions(S, ordered, len(configs), incumbent, stats)       # 2
     if not found and incumbent is None:
         raise S.infeasible()
-    _local_search(S, found)
-    _cp_sat(S, found)                                                                     # 3
-    best_plan, best_t, best_c = _judge_candidates(S, found, incumbent)                    # 4
-    if best_c is not None:
-        best_plan, best_t = _polish(S, best_c, best_plan, best_t, found)                   # 5
-        if best_c.handoff:
-            _with_handoff(S, best_c)
+    with _processes(S):
+        _local_search(S, found)
+        _cp_sat(S, found)                                                                 # 3
+        best_plan, best_t, best_c = _judge_candidates(S, found, incumbent)                # 4
+        if best_c is not None:
+            best_plan, best_t = _polish(S, best_c, best_plan, best_t, found)               # 5
+            if best_c.handoff:
+                _with_handoff(S, best_c)
     if best_c is not None and best_c.cfg.ranks > 1:
         _tighten(S, best_c)             # the chosen configuration's proof, also where it is not the lowest
     space_bound = _space_bound(S, found, open_bound) if opts.cost_model == "default" else None

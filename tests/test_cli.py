@@ -60,6 +60,7 @@ def test_baseline_then_simulate(capsys, tmp_path):
     (["baseline", "--planner", "l2l", "--profile", "gpt2_xl", "--batch", "8", "--gpus", "-1"], "give 1 to 4"),
     (["plan", "--profile", "gpt2_xl", "--batch", "8", "--gpus", "0"], "give 1 to 4"),
     (["plan", "--profile", "gpt2_xl", "--batch", "8", "--wall-limit", "0"], "--wall-limit must be > 0 seconds"),
+    (["plan", "--profile", "gpt2_xl", "--batch", "8", "--processes", "0"], "--processes must be >= 1"),
     (["plan", "--profile", "gpt2_xl", "--batch", "8", "--time-limit", "inf"], "--time-limit must be > 0 seconds"),
     (["compare", "--profile", "gpt2_medium", "--batch", "4", "--memory-cap", "1MB", "--time-limit", "1"],
      "no planner found a plan; layer 0 of gpt2_medium alone needs"),

@@ -69,3 +69,30 @@ def test_cp_sat_plan_is_the_same_in_fresh_processes_with_other_hash_seeds(tmp_pa
     outs = [subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
     assert outs[0] == outs[1] and '"planner": "cp-sat"' in outs[0]
+
+
+def test_more_processes_give_the_same_plan_file(tmp_path, monkeypatch):
+    """--processes N runs the local search and the simulator's descent in N forked processes and
+    takes their results in the order one process computes them: the file is the same, and the
+    processes did do the work (both steps went through the pool)."""
+    import concurrent.futures
+
+    import solver_models.planner as planner
+    from harmony_opt.bundled import load_profile
+    from solver_models.planner import PlannerOptions, plan
+    calls = {"submit": 0, "map": 0}
+
+    class Counted(concurrent.futures.ProcessPoolExecutor):
+        def submit(self, *a, **k):
+            calls["submit"] += 1
+            return super().submit(*a, **k)
+
+        def map(self, *a, **k):
+            calls["map"] += 1
+            return super().map(*a, **k)
+    monkeypatch.setattr(planner.concurrent.futures, "ProcessPoolExecutor", Counted)
+    profile, hw = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2)
+    files = [plan(profile, hw, 32, PlannerOptions(time_limit=4, uneven=True, processes=n),
+                  memory_cap=10 * 2**30).save(tmp_path / f"{n}.json").read_bytes() for n in (1, 2)]
+    assert files[0] == files[1]
+    assert calls["submit"] > 0 and calls["map"] > 0

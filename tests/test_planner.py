@@ -620,6 +620,10 @@ def test_planner_is_never_slower_than_harmony_and_beats_it_here():
 @settings(max_examples=10, deadline=None)
 @given(st.integers(3, 40), st.integers(0, 1000), st.sampled_from([8, 16, 24]), st.floats(0.3, 1.5),
        st.booleans(), st.booleans())
+# floor and bound equal but for the last bit of their float sums, the floor's above (before it was
+# rounded down): tied configurations came out of order
+@example(R=3, seed=10, batch=16, tight=1.0, stash=False, act=False)
+@example(R=10, seed=642, batch=24, tight=1.0, stash=False, act=False)
 def test_configurations_come_in_bound_order_with_bounds_computed_lazily(R, seed, batch, tight, stash, act):
     """in_bound_order yields the hint's configuration, then the others sorted by (bound, name), as
     sorting every bound would; the floor it queues them at is never above the bound (or the order
@@ -950,7 +954,7 @@ def test_polish_ends_at_a_local_optimum_of_the_simulator_without_simulating_a_pl
     start = S.plan_of(c, seq)
     simulated = []
     judge = S.judge
-    S.judge = lambda p: simulated.append((p.packs_fwd, p.packs_bwd, p.options)) or judge(p)
+    S.judge = lambda p, result=None: simulated.append((p.packs_fwd, p.packs_bwd, p.options)) or judge(p, result)
     best, t = P._polish(S, c, start, judge(start), [c])
     assert len(simulated) == len(set(simulated)) > 1
     assert t <= judge(start) and t == pytest.approx(simulate(best, prof, hw).iteration_time)

@@ -36,6 +36,9 @@ def register(sub):
                         "machine's speed; the output says when it did)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="CP-SAT workers (results depend on seed and workers only)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="processes for the local search and the simulator's descent: the same plan, sooner "
+                        "(2 on 2 cores: 0.6-0.9x the wall time)")
     p.add_argument("--no-hint", action="store_true", help="do not warm-start from Harmony's search")
     p.add_argument("--harmony-space", action="store_true",
                    help="restrict to Harmony's decisions (u_fwd >= u_bwd, sizes dividing D, recompute, CPU optimizer)")
@@ -142,9 +145,9 @@ def _plan(args):
     from solver_models.planner import PlannerOptions, plan
     profile, hw = _inputs(args)
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, wall_limit=args.wall_limit,
-                          seed=args.seed,
-                          workers=args.workers, hint=not args.no_hint, harmony_space=args.harmony_space,
-                          uneven=args.uneven, cost_model=args.cost_model, gpu_handoff=not args.no_gpu_handoff)
+                          seed=args.seed, workers=args.workers, processes=args.processes, hint=not args.no_hint,
+                          harmony_space=args.harmony_space, uneven=args.uneven, cost_model=args.cost_model,
+                          gpu_handoff=not args.no_gpu_handoff)
     report = None if args.quiet else print
     p = plan(profile, hw, args.batch, opts, memory_cap=hw.gpu_memory_bytes, report=report)
     s = p.solver
