@@ -77,10 +77,11 @@ class PlannerOptions:
     gpus: int | None = None         # None: try 1 .. hardware.gpus
     time_limit: float = 10.0        # work seconds for the whole search (deterministic accounting, see Budget)
     wall_limit: float | None = None  # wall-clock seconds at most (None: none); plans depend on the machine
-                                     # where it binds (plan.solver["stopped_by"] says so)
+                                     # where it binds (plan.solver["stopped_by_wall"] says so)
     seed: int = 0
     workers: int = 1                # CP-SAT workers; >1 runs interleaved (deterministic) search
-    processes: int = 1              # processes simulating the descent's neighbours: the same plan, sooner
+    processes: int = 1              # processes for the local search and the simulator's descent: the same
+                                    # plan, sooner (_processes)
     rel_gap: float = 1e-3
     harmony_space: bool = False     # Harmony's space: its mode and GPUs, u_fwd >= u_bwd, sizes dividing the batch
     uneven: bool = False            # allow microbatch sizes that do not divide the batch
@@ -891,11 +892,11 @@ def _play(plan_: Plan) -> tuple[float, int]:
 
 @contextlib.contextmanager
 def _processes(S: _Search):
-    """``S.opts.processes`` processes for the local search and the simulator's descent, forked from
-    this one (so they start in milliseconds and hold the profile without unpickling it), as
-    ``S.pool``; None for one process. The search is pure Python: only processes run two parts of
-    it at once. Each step takes their results in the order one process would compute them, so
-    the plan does not depend on ``processes``."""
+    """``S.opts.processes`` processes for the first solutions, the local search and the simulator's
+    descent, forked from this one (so they start in milliseconds and hold the profile without
+    unpickling it), as ``S.pool``; None for one process. The search is pure Python: only processes
+    run two parts of it at once. Each step takes their results in the order one process would
+    compute them, so the plan does not depend on ``processes``."""
     if S.opts.processes <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         yield
         return
@@ -934,29 +935,50 @@ def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, st
     """Step 2: a first solution per configuration in bound order (``ordered``: (configuration,
     bound) pairs, ``total`` of them), until the bound reaches the best model value (the rest is
     pruned) or the budget share runs out. Returns (candidates, the least bound of the
-    configurations not reached)."""
+    configurations not reached).
+
+    With other processes (S.pool), the next configurations' first solutions are computed ahead,
+    one per process, as in ``_first_ahead``; each is charged and checked here in order as if it
+    were computed here, and those the search does not reach are dropped."""
     hint_cfg = None if incumbent is None else Config.of(incumbent)
     found, best_value = [], float("inf")
-    for i, (cfg, cfg_bound) in enumerate(ordered):
+    stream, queued, ahead = iter(ordered), collections.deque(), {}
+    for i in range(total):
+        while S.pool is not None and len(queued) <= S.opts.processes:      # the next ones, ahead
+            item = next(stream, None)
+            if item is None:
+                break
+            queued.append(item)
+            if item[1] < best_value:        # not where the bound prunes it already
+                ahead[item[0]] = S.pool.submit(_first_ahead, item[0], incumbent, hint_cfg)
+        item = queued.popleft() if queued else next(stream, None)
+        if item is None:
+            break
+        cfg, cfg_bound = item
         if cfg_bound >= best_value:
             stats["pruned"] += total - i
-            return found, float("inf")
+            break
         if S.budget.left(0.45) <= 0:
             stats["out_of_budget"] += total - i
+            _drop(ahead)
             return found, cfg_bound
-        hint = None
-        tasks = S.tasks(cfg, keep=pack_starts(incumbent) if cfg == hint_cfg else ())
-        if cfg == hint_cfg:
-            try:
-                hint = sequence_of_plan(tasks, incumbent)
-            except KeyError:
-                pass
-        first = _first_solution(S, tasks, hint) if len(tasks.table) else None
+        r = ahead.pop(cfg).result() if cfg in ahead else None
+        if r is None:
+            tasks, first = _first_of(S, cfg, incumbent, hint_cfg)
+            rows, host = len(tasks.table), tasks.host_budget is not None
+        else:
+            spent, first, rows, host = r
+            for seconds in spent:
+                S.budget.spend(seconds)
+            tasks = None
         if first is None or not np.isfinite(first[0]):
             stats["infeasible"] += 1
-            if tasks.host_budget is not None and len(tasks.table):
+            if host and rows:
                 S.host_blocked.append(cfg)      # for the explanation, should nothing fit
             continue
+        if tasks is None:       # built in the other process, charged with it: the same table again
+            tasks, _ = _first_of(dataclasses.replace(S, budget=Budget(S.budget.total)), cfg, incumbent, hint_cfg,
+                                 solve=False)
         stats["evaluated"] += 1
         value, seq, dp_bound = first
         # the DP's optimum bounds the configuration where no stash variant could beat it, and every
@@ -970,7 +992,61 @@ def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, st
         if value < best_value:
             best_value = value
             S.say(f"[{i + 1}/{total}] {cfg}: model {value:.4f} s  <- best so far")
+    _drop(ahead)
     return found, float("inf")
+
+
+def _first_of(S: _Search, cfg: Config, incumbent: Plan | None, hint_cfg: Config | None, solve: bool = True):
+    """(the candidate tasks of ``cfg``, its first solution or None), charged to ``S.budget``; the
+    hint's configuration keeps the hint's pack boundaries and starts from it."""
+    tasks = S.tasks(cfg, keep=pack_starts(incumbent) if cfg == hint_cfg else ())
+    if not solve:
+        return tasks, None
+    hint = None
+    if cfg == hint_cfg:
+        try:
+            hint = sequence_of_plan(tasks, incumbent)
+        except KeyError:
+            pass
+    return tasks, (_first_solution(S, tasks, hint) if len(tasks.table) else None)
+
+
+class _NeedsBudget(Exception):
+    """A step that reads the budget (what is left), which a process computing ahead cannot know."""
+
+
+class _Tally(Budget):
+    """A budget that lists what is spent (to be spent again, one by one, in the planner's own
+    process: the same float sums) and cannot say what is left."""
+
+    def __init__(self, total: float):
+        super().__init__(total)
+        self.spent = []
+
+    def spend(self, seconds: float) -> None:
+        super().spend(seconds)
+        self.spent.append(seconds)
+
+    def left(self, share: float = 1.0, reserve: float = 0.0) -> float:
+        raise _NeedsBudget
+
+
+def _first_ahead(cfg: Config, incumbent: Plan | None, hint_cfg: Config | None):
+    """In a process of _processes: (work seconds spent, first solution, task rows, whether the host
+    budget may bind) of ``cfg``; None where the first solution reads the budget (a DP priced into
+    the host memory, dp.within_host), left to the planner's own process."""
+    S = dataclasses.replace(_FORKED, budget=_Tally(_FORKED.budget.total), pool=None)
+    try:
+        tasks, first = _first_of(S, cfg, incumbent, hint_cfg)
+    except _NeedsBudget:
+        return None
+    return S.budget.spent, first, len(tasks.table), tasks.host_budget is not None
+
+
+def _drop(ahead: dict) -> None:
+    """Cancel the work computed ahead that the search did not reach."""
+    for f in ahead.values():
+        f.cancel()
 
 
 def _first_solution(S: _Search, tasks: Tasks, hint):
@@ -1061,7 +1137,8 @@ def _local_search(S: _Search, found: list[_Candidate]) -> None:
             c.value, c.seq, c.how = value, seq, "search"
         if partition and S.budget.left(0.6) > 0:
             spent, start = r["partition"]
-            S.budget.spend(spent)
+            for seconds in spent:
+                S.budget.spend(seconds)
             if start < c.value and S.budget.left(0.6) > 0:  # only where it starts ahead: the descent
                 value, seq, spent, tasks = r["second"]       # rarely overtakes a better start
                 S.budget.spend(spent)
@@ -1085,11 +1162,11 @@ def _searched(S: _Search, c: _Candidate, steps: int, seed: int, partition: bool)
         return out
     if value < c.value:
         c = dataclasses.replace(c, value=value, seq=seq)
-    scratch = dataclasses.replace(S, budget=Budget(S.budget.total), pool=None)     # counts _every_boundary's
+    scratch = dataclasses.replace(S, budget=_Tally(S.budget.total), pool=None)     # lists _every_boundary's
     tasks, seq = _every_boundary(scratch, c)
     part, work = search.partitioned(tasks, S.profile, *search.partition_grid(tasks, seq))
     start = min(part, key=lambda o: o[0], default=(float("inf"), None))
-    out["partition"] = (scratch.budget.used + Budget.PER_START * work, start[0])
+    out["partition"] = (scratch.budget.spent + [Budget.PER_START * work], start[0])
     if start[0] < c.value:
         value, seq, work = search.improve(tasks, start[1], steps, seed=seed)
         out["second"] = (value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work,
@@ -1380,10 +1457,10 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     S.say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound")
     stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
 
-    found, open_bound = _first_solutions(S, ordered, len(configs), incumbent, stats)       # 2
-    if not found and incumbent is None:
-        raise S.infeasible()
     with _processes(S):
+        found, open_bound = _first_solutions(S, ordered, len(configs), incumbent, stats)   # 2
+        if not found and incumbent is None:
+            raise S.infeasible()
         _local_search(S, found)
         _cp_sat(S, found)                                                                 # 3
         best_plan, best_t, best_c = _judge_candidates(S, found, incumbent)                # 4

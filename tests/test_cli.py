@@ -104,3 +104,13 @@ def test_plan_from_a_profile_folder_says_to_pass_the_profile(capsys, tmp_path, m
         assert rc == 2 and "the plan's profile 'good' is not a bundled profile or a folder here; pass --profile" in err
         rc, out, err = run(capsys, cmd, "p.json", "--profile", str(good))
         assert rc == 0, err
+
+
+def test_plan_says_when_the_wall_limit_decided(capsys):
+    """A work budget of a minute under a 2 s wall limit: the plan comes back in seconds, and the
+    output warns that the same command may give another plan elsewhere."""
+    rc, out, err = run(capsys, "plan", "--profile", "resnet1026", "--batch", "64", "--memory-cap", "10GiB",
+                       "--time-limit", "60", "--wall-limit", "2", "--no-compare", "--quiet")
+    assert rc == 0 and err == ""
+    assert "note: --wall-limit 2 stopped the search before its work budget" in out
+    assert "simulated iteration time" in out

@@ -884,6 +884,10 @@ def test_plans_that_need_more_host_memory_than_the_server_has_are_not_returned()
     need = host_memory(fit, prof, small)
     assert need.total <= small.host_memory_bytes and need.pinned <= small.pinned_memory_bytes
     assert fit.simulated_iteration_time_s >= free.simulated_iteration_time_s
+    # in two processes, where the DPs priced into the host memory (which read the budget) stay in
+    # the planner's own process: the same plan
+    two = plan(prof, small, 64, dataclasses.replace(opts, processes=2), memory_cap=cap)
+    assert two.to_json() == fit.to_json()
     with pytest.raises(InfeasibleError, match=r"^harmony's plan \(vDP x4 u=\d+/\d+\) needs [\d.]+ GiB \(\d+ bytes\) "
                                               r"of host memory \(weights and buffers 6.29 GiB, .*activation buffers"):
         plan_harmony(prof, small, 64, cap, mode="vDP", gpus=4)
