@@ -95,7 +95,8 @@ def solver(*, time_limit: float, seed: int, workers: int, rel_gap: float, wall_l
 
 
 def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_limit: float, seed: int, workers: int,
-        rel_gap: float, report=None, label: str = "", variables: int = 0, wall_limit: float | None = None) -> SolveResult:
+        rel_gap: float, report=None, label: str = "", variables: int = 0,
+        wall_limit: float | None = None) -> SolveResult:
     """Solve ``model`` (minimizing) under a deterministic time limit; ``decode(value)`` turns an
     assignment into a task sequence."""
     t0 = time.perf_counter()

@@ -36,6 +36,7 @@ import heapq
 import logging
 import math
 import multiprocessing
+import sys
 import time
 
 import numpy as np
@@ -896,8 +897,9 @@ def _processes(S: _Search):
     descent, forked from this one (so they start in milliseconds and hold the profile without
     unpickling it), as ``S.pool``; None for one process. The search is pure Python: only processes
     run two parts of it at once. Each step takes their results in the order one process would
-    compute them, so the plan does not depend on ``processes``."""
-    if S.opts.processes <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+    compute them, so the plan does not depend on ``processes``. Linux only (forking a process with
+    threads is unsafe on macOS): elsewhere one process does it all, to the same plan."""
+    if S.opts.processes <= 1 or not sys.platform.startswith("linux"):
         yield
         return
     S.pool = concurrent.futures.ProcessPoolExecutor(S.opts.processes, mp_context=multiprocessing.get_context("fork"),
