@@ -244,17 +244,10 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         else np.asarray(stash_layers, bool)
     stash = bool(ok.any())
     copies = cfg.gpus if cfg.mode == "vDP" else 1
-    wait = copies if hw.shared_host_link else 1        # a transfer's time in vDP (tasks.py)
     # seconds per byte over the host link, all copies' traffic counted (tasks.Tasks.ticks)
     link_in, link_out = link_capacity(hw, cfg.gpus)
     per_in, per_out = copies / link_in, copies / link_out
-    bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
-    for u, k in collections.Counter(ub).items():        # at most two sizes (split_microbatches)
-        c = profile.costs("BWD", u)
-        bwd += k * c.time
-        no_rec += k * np.maximum(c.time - forward_costs(profile, u).time, 0.0)
-        moved += k * c.saved * wait / hw.h2d_bandwidth
-        saved += k * c.saved
+    bwd, no_rec, moved, saved = _backward_work(profile, hw, cfg, ub)
     # per criterion start s in ``fits``: the forward compute and the weights of the layers before it
     forward = _forward_before(profile, uf, fits)
     w_all = profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1)
@@ -332,6 +325,21 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     return bound
 
 
+def _backward_work(profile: Profile, hw: Hardware, cfg: Config, ub: list[int]):
+    """Per layer, summed over the backward microbatches ``ub``: (backward with its recompute, without
+    it, the time its saved activations take to come in over the link, their bytes)."""
+    R = profile.num_layers
+    wait = (cfg.gpus if cfg.mode == "vDP" else 1) if hw.shared_host_link else 1   # a vDP transfer (tasks.py)
+    bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
+    for u, k in collections.Counter(ub).items():        # at most two sizes (split_microbatches)
+        c = profile.costs("BWD", u)
+        bwd += k * c.time
+        no_rec += k * np.maximum(c.time - forward_costs(profile, u).time, 0.0)
+        moved += k * c.saved * wait / hw.h2d_bandwidth
+        saved += k * c.saved
+    return bwd, no_rec, moved, saved
+
+
 def compute_floor(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool) -> float:
     """At most config_bound (same arguments), a hundred times cheaper: the backward work per GPU,
     every layer on every microbatch (a layer with a stash variant at least the least of its
@@ -345,13 +353,8 @@ def compute_floor(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: 
     share = batch if cfg.mode == "vPP" else max(data_shares(batch, cfg.gpus))
     ub = split_microbatches(share, cfg.u_bwd)
     ok = stash and stashable_layers(profile, hw, cfg, split_microbatches(share, cfg.u_fwd), ub)
-    wait = (cfg.gpus if cfg.mode == "vDP" else 1) if hw.shared_host_link else 1
-    work = 0.0
-    for u, k in collections.Counter(ub).items():
-        c = profile.costs("BWD", u)
-        least = np.minimum.reduce([c.time, np.maximum(c.time - forward_costs(profile, u).time, 0.0),
-                                   c.saved * wait / hw.h2d_bandwidth])
-        work += k * float(np.where(ok, least, c.time).sum())
+    bwd, no_rec, moved, _ = _backward_work(profile, hw, cfg, ub)
+    work = float(np.where(ok, np.minimum.reduce([bwd, no_rec, moved]), bwd).sum())
     return work / cfg.ranks * (1 - 1e-9)
 
 
@@ -979,8 +982,7 @@ def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, st
                 S.host_blocked.append(cfg)      # for the explanation, should nothing fit
             continue
         if tasks is None:       # built in the other process, charged with it: the same table again
-            tasks, _ = _first_of(dataclasses.replace(S, budget=Budget(S.budget.total)), cfg, incumbent, hint_cfg,
-                                 solve=False)
+            tasks = _first_tasks(dataclasses.replace(S, budget=Budget(S.budget.total)), cfg, incumbent, hint_cfg)
         stats["evaluated"] += 1
         value, seq, dp_bound = first
         # the DP's optimum bounds the configuration where no stash variant could beat it, and every
@@ -998,12 +1000,16 @@ def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, st
     return found, float("inf")
 
 
-def _first_of(S: _Search, cfg: Config, incumbent: Plan | None, hint_cfg: Config | None, solve: bool = True):
-    """(the candidate tasks of ``cfg``, its first solution or None), charged to ``S.budget``; the
-    hint's configuration keeps the hint's pack boundaries and starts from it."""
-    tasks = S.tasks(cfg, keep=pack_starts(incumbent) if cfg == hint_cfg else ())
-    if not solve:
-        return tasks, None
+def _first_tasks(S: _Search, cfg: Config, incumbent: Plan | None, hint_cfg: Config | None) -> Tasks:
+    """The candidate tasks of ``cfg``, charged to ``S.budget``; the hint's configuration keeps the
+    hint's pack boundaries."""
+    return S.tasks(cfg, keep=pack_starts(incumbent) if cfg == hint_cfg else ())
+
+
+def _first_of(S: _Search, cfg: Config, incumbent: Plan | None, hint_cfg: Config | None):
+    """(``_first_tasks``, the first solution or None), charged to ``S.budget``; the hint's
+    configuration starts from the hint."""
+    tasks = _first_tasks(S, cfg, incumbent, hint_cfg)
     hint = None
     if cfg == hint_cfg:
         try:
@@ -1131,18 +1137,19 @@ def _local_search(S: _Search, found: list[_Candidate]) -> None:
     for k, c in enumerate(todo):
         if S.budget.left(0.6) <= 0:
             return
-        r = ahead[k].result() if ahead is not None else _searched(S, c, steps, S.opts.seed + k, partition)
-        # what one process does, step by step: the same charges, the same checks between them
-        value, seq, spent = r["improve"]
+        # its parts, each computed only where taken (one process) or all at once (another process),
+        # taken as one process does: the same charges, the same checks between them
+        parts = iter(ahead[k].result()) if ahead is not None else _searched(S, c, steps, S.opts.seed + k, partition)
+        value, seq, spent = next(parts)
         S.budget.spend(spent)
         if value < c.value:
             c.value, c.seq, c.how = value, seq, "search"
         if partition and S.budget.left(0.6) > 0:
-            spent, start = r["partition"]
+            spent, start = next(parts)
             for seconds in spent:
                 S.budget.spend(seconds)
             if start < c.value and S.budget.left(0.6) > 0:  # only where it starts ahead: the descent
-                value, seq, spent, tasks = r["second"]       # rarely overtakes a better start
+                value, seq, spent, tasks = next(parts)       # rarely overtakes a better start
                 S.budget.spend(spent)
                 if value < c.value:
                     found.append(dataclasses.replace(c))
@@ -1150,34 +1157,33 @@ def _local_search(S: _Search, found: list[_Candidate]) -> None:
         S.say(f"local search {c.cfg}: model {c.value:.4f} s (bound {c.bound:.4f})")
 
 
-def _searched(S: _Search, c: _Candidate, steps: int, seed: int, partition: bool) -> dict:
-    """The local search of one candidate, with what each part costs the budget, touching neither
-    (_local_search charges and applies it): ``improve``: the descent from ``c``'s sequence;
-    ``partition``: the packings that minimise the largest pack, at every layer boundary (a model
-    of more layers than candidate boundaries, tasks.candidate_cuts, is otherwise packed in blocks,
-    and with as few microbatches as GPUs a pipeline idles by most of the difference between
+def _searched(S: _Search, c: _Candidate, steps: int, seed: int, partition: bool):
+    """The parts of one candidate's local search, each with what it costs the budget, touching
+    neither (_local_search charges and applies them), computed as they are asked for: the descent
+    from ``c``'s sequence; the packings that minimise the largest pack, at every layer boundary (a
+    model of more layers than candidate boundaries, tasks.candidate_cuts, is otherwise packed in
+    blocks, and with as few microbatches as GPUs a pipeline idles by most of the difference between
     consecutive packs: resnet1026 D=64 vPP x4 u=16/16, 3.813 s at the 129 candidate boundaries,
-    3.746 s at all 516), and ``second``: the descent from the best of them where it starts ahead."""
+    3.746 s at all 516); and the descent from the best of them, where it starts ahead."""
     value, seq, work = search.improve(c.tasks, c.seq, steps, seed=seed)
-    out = {"improve": (value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work)}
+    yield value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work
     if not partition:
-        return out
+        return
     if value < c.value:
         c = dataclasses.replace(c, value=value, seq=seq)
     scratch = dataclasses.replace(S, budget=_Tally(S.budget.total), pool=None)     # lists _every_boundary's
     tasks, seq = _every_boundary(scratch, c)
     part, work = search.partitioned(tasks, S.profile, *search.partition_grid(tasks, seq))
     start = min(part, key=lambda o: o[0], default=(float("inf"), None))
-    out["partition"] = (scratch.budget.spent + [Budget.PER_START * work], start[0])
+    yield scratch.budget.spent + [Budget.PER_START * work], start[0]
     if start[0] < c.value:
         value, seq, work = search.improve(tasks, start[1], steps, seed=seed)
-        out["second"] = (value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work,
-                         tasks if value < c.value else None)
-    return out
+        yield value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work, tasks if value < c.value else None
 
 
-def _searched_in_process(c: _Candidate, steps: int, seed: int, partition: bool) -> dict:
-    return _searched(_FORKED, c, steps, seed, partition)
+def _searched_in_process(c: _Candidate, steps: int, seed: int, partition: bool) -> list:
+    """Every part of ``_searched``, in a process of _processes."""
+    return list(_searched(_FORKED, c, steps, seed, partition))
 
 
 def _every_boundary(S: _Search, c: _Candidate) -> tuple[Tasks, list]:
@@ -1323,7 +1329,8 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
     reserve = S.timeline_reserve(plan_) + Budget.PER_PATH_LAYER * S.profile.num_layers * min(loose, 4)
     judged = {tuple(c.seq)}
     at = 0              # where the scan goes on: the position of the last improving move
-    width, pool = max(1, S.opts.processes), S.pool
+    pool = S.pool
+    width = S.opts.processes if pool is not None else 1
     improved = True
     while improved:
         improved = False
