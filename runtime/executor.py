@@ -507,12 +507,18 @@ class Executor:
             with torch.no_grad():
                 return {e.allocs[0]: self._chain(a, b, x, ins)}
         weights, names = self._leaves(a, b, ins)
-        hooks = Offload({w.untyped_storage().data_ptr(): n for w, n in zip(weights, names)}, x.device)
+        hooks = Offload({w.untyped_storage().data_ptr(): n for w, n in zip(weights, names)}, x.device,
+                        self.streams.streams.get(Stream.SWAP_OUT), timed=self.tracer is not None)
         leaf = self._input_leaf(x, a, copy=True)
         with torch.enable_grad(), saved_tensors_hooks(hooks.pack, hooks.unpack):
             y = self._chain(a, b, leaf, ins)
-        graph = PackGraph(y, [leaf] + weights, names, saved=hooks.saved)
-        self.moved["d2h"] += sum(nbytes(s.host) for s in hooks.saved)
+        graph = PackGraph(y, [leaf] + weights, names, saved=hooks.saved, copied=hooks.copied())
+        out = sum(nbytes(s.host) for s in hooks.saved)
+        self.moved["d2h"] += out
+        if hooks.started is not None and graph.copied is not None:     # traced as a swap-out of sA
+            copies = ins.replace(id=-1 - ins.id, kind=Kind.SWAP_OUT, stream=Stream.SWAP_OUT)
+            self.tracer.bytes[copies.id] = out
+            self.tracer.gpu(copies, hooks.started, graph.copied)
         hooks.graph = graph
         if leaf.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
             leaf.untyped_storage().resize_(0)

@@ -8,7 +8,9 @@ back in (swap-in sA). In both cases the graph keeps only what the backward needs
 * the gradient edge of the pack's output (not the output itself, whose memory the next
   pack's input frees);
 * the leaves to differentiate against: the pack's input and its device weights;
-* (offloaded graphs) the host copies of saved activations. Saved *weights* are not
+* (offloaded graphs) the host copies of saved activations, made on the swap-out stream
+  while the forward goes on (as the simulator plays them: beside compute, the memory of
+  each held until its copy has read it), with an event the swap-in waits for. Saved *weights* are not
   copied: the hook records which parameter and view they are, and the unpack hook
   rebuilds the view from the weights swapped in for the backward, so a stashed pack
   holds no copy of its weights. Saved tensors that are not on the compute device stay
@@ -52,12 +54,13 @@ class PackGraph:
     """Everything the backward of one pack on one microbatch needs (see module docstring)."""
 
     def __init__(self, output: torch.Tensor, inputs: list[torch.Tensor], params: list[tuple[int, str]],
-                 saved_bytes: int = 0, saved: list[_Saved] | None = None):
+                 saved_bytes: int = 0, saved: list[_Saved] | None = None, copied: torch.cuda.Event | None = None):
         self.edge = get_gradient_edge(output) if output.requires_grad else None
         self.inputs = inputs            # autograd leaves: the pack's input, then its weights
         self.params = params            # (layer, name) of each weight leaf
         self.saved = saved              # None: the graph holds its saved tensors on the device
         self.saved_bytes = saved_bytes
+        self.copied = copied            # CUDA: the host copies of ``saved`` are complete after it
         self.weights: Callable[[int, str], torch.Tensor] | None = None
 
     @property
@@ -67,6 +70,9 @@ class PackGraph:
         return sum(s.device.numel() * s.device.element_size() for s in self.saved if s.device is not None)
 
     def to_device(self, device: torch.device) -> None:
+        """Copy the saved activations back, on the current stream, after their copies out."""
+        if self.copied is not None:
+            torch.cuda.current_stream(device).wait_event(self.copied)
         for s in self.saved:
             s.device = torch.empty_like(s.host, device=device).copy_(s.host, non_blocking=True)
 
@@ -93,9 +99,13 @@ class PackGraph:
 class Offload:
     """``saved_tensors_hooks`` pair that moves saved activations to host and references weights."""
 
-    def __init__(self, weights: dict[int, tuple[int, str]], device: torch.device):
+    def __init__(self, weights: dict[int, tuple[int, str]], device: torch.device,
+                 out_stream: torch.cuda.Stream | None = None, timed: bool = False):
         self.weights = weights          # storage data_ptr -> (layer, name)
         self.device = device            # where the pack computes: only what lives there moves out
+        self.out_stream = out_stream    # CUDA: where the copies to the host run (None: in line)
+        self.timed = timed              # record when the copies start (``started``) for a trace
+        self.started: torch.cuda.Event | None = None
         self.saved: list[_Saved] = []
         self.graph: PackGraph | None = None
 
@@ -105,9 +115,31 @@ class Offload:
         ref = self.weights.get(t.untyped_storage().data_ptr())
         if ref is not None:
             return _ParamView(ref[0], ref[1], t)
-        s = _Saved(host_copy(t.detach()))
+        s = _Saved(self._out(t.detach()))
         self.saved.append(s)
         return s
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        """The host copy of ``t``: on the CUDA swap-out stream once what computed ``t`` is done, so
+        the forward does not wait for it; ``t``'s memory is reused only after the copy read it."""
+        if self.out_stream is None or not t.is_cuda:
+            return host_copy(t)
+        self.out_stream.wait_stream(torch.cuda.current_stream(t.device))
+        if self.timed and self.started is None:
+            self.started = torch.cuda.Event(enable_timing=True)
+            self.started.record(self.out_stream)
+        with torch.cuda.stream(self.out_stream):
+            host = host_copy(t)
+        t.record_stream(self.out_stream)
+        return host
+
+    def copied(self) -> torch.cuda.Event | None:
+        """An event after every copy to the host made so far (None where they ran in line)."""
+        if self.out_stream is None or not self.saved:
+            return None
+        ev = torch.cuda.Event(enable_timing=self.started is not None)
+        ev.record(self.out_stream)
+        return ev
 
     def unpack(self, h):
         if isinstance(h, torch.Tensor):

@@ -179,6 +179,9 @@ def test_executor_on_cuda_matches_plain_pytorch(name, monkeypatch):
     assert res.device_peak_bytes[0] > 0 and res.bytes_moved[0]["h2d"] > 0 and res.bytes_moved[0]["d2h"] > 0
     ev = res.timeline().events          # CUDA events on every stream, the CPU steps on the wall clock
     assert {"compute", "swap_in", "swap_out"} <= set(ev.stream) and (ev.end >= ev.start).all()
+    # a kept graph's saved activations leave on the swap-out stream beside the forward (as simulated)
+    kept = ev[ev.kind == "FWD"].task.str.contains("FsA")
+    assert ((ev.stream == "swap_out") & (ev.kind == "sA")).sum() == kept.sum()
 
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
