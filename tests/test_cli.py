@@ -114,3 +114,23 @@ def test_plan_says_when_the_wall_limit_decided(capsys):
     assert rc == 0 and err == ""
     assert "note: --wall-limit 2 stopped the search before its work budget" in out
     assert "simulated iteration time" in out
+
+
+@pytest.mark.parametrize("argv, cores, want", [((), {0, 1, 2}, 3), ((), set(range(16)), 4), ((), {5}, 1),
+                                               (("--processes", "1"), {0, 1, 2}, 1)])
+def test_plan_uses_the_cores_it_may_run_on_unless_told(capsys, monkeypatch, argv, cores, want):
+    """Without --processes, plan runs on the cores its affinity allows (at most 4; the plan is the
+    same for any number, tests/test_determinism.py); --processes N overrides it."""
+    import os
+
+    import solver_models.planner as planner
+
+    seen = []
+
+    def fake_plan(profile, hw, batch, opts, **kw):
+        seen.append(opts.processes)
+        raise planner.UsageError("stop here")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores, raising=False)
+    monkeypatch.setattr(planner, "plan", fake_plan)
+    rc, _, err = run(capsys, "plan", "--profile", "bert_large", "--batch", "8", "--quiet", *argv)
+    assert (rc, seen) == (2, [want]) and "stop here" in err

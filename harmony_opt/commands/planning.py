@@ -36,9 +36,10 @@ def register(sub):
                         "machine's speed; the output says when it did)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="CP-SAT workers (results depend on seed and workers only)")
-    p.add_argument("--processes", type=int, default=1,
+    p.add_argument("--processes", type=int, default=None,
                    help="processes for the first solutions, local search and simulator descent: the same "
-                        "plan, sooner (2 on 2 cores: 0.6-0.9x the wall time)")
+                        "plan for any N, sooner (2 on 2 cores: 0.6-0.9x the wall time of 1); default: the "
+                        "cores this process may use, at most 4")
     p.add_argument("--no-hint", action="store_true", help="do not warm-start from Harmony's search")
     p.add_argument("--harmony-space", action="store_true",
                    help="restrict to Harmony's decisions (u_fwd >= u_bwd, sizes dividing D, recompute, CPU optimizer)")
@@ -142,10 +143,11 @@ def solver_summary(s: dict) -> list[str]:
 
 
 def _plan(args):
-    from solver_models.planner import PlannerOptions, plan
+    from solver_models.planner import PlannerOptions, plan, usable_cores
     profile, hw = _inputs(args)
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, wall_limit=args.wall_limit,
-                          seed=args.seed, workers=args.workers, processes=args.processes, hint=not args.no_hint,
+                          seed=args.seed, workers=args.workers,
+                          processes=usable_cores(4) if args.processes is None else args.processes, hint=not args.no_hint,
                           harmony_space=args.harmony_space, uneven=args.uneven, cost_model=args.cost_model,
                           gpu_handoff=not args.no_gpu_handoff)
     report = None if args.quiet else print
