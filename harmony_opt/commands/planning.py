@@ -146,8 +146,8 @@ def _plan(args):
     from solver_models.planner import PlannerOptions, plan, usable_cores
     profile, hw = _inputs(args)
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, wall_limit=args.wall_limit,
-                          seed=args.seed, workers=args.workers,
-                          processes=usable_cores(4) if args.processes is None else args.processes, hint=not args.no_hint,
+                          seed=args.seed, workers=args.workers, hint=not args.no_hint,
+                          processes=usable_cores(4) if args.processes is None else args.processes,
                           harmony_space=args.harmony_space, uneven=args.uneven, cost_model=args.cost_model,
                           gpu_handoff=not args.no_gpu_handoff)
     report = None if args.quiet else print
