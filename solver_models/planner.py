@@ -82,8 +82,8 @@ class PlannerOptions:
                                      # where it binds (plan.solver["stopped_by_wall"] says so)
     seed: int = 0
     workers: int = 1                # CP-SAT workers; >1 runs interleaved (deterministic) search
-    processes: int = 1              # processes for the local search and the simulator's descent: the same
-                                    # plan, sooner (_processes)
+    processes: int = 1              # processes for the first solutions, the local search and the simulator's
+                                    # descent: the same plan, sooner (_processes)
     rel_gap: float = 1e-3
     harmony_space: bool = False     # Harmony's space: its mode and GPUs, u_fwd >= u_bwd, sizes dividing the batch
     uneven: bool = False            # allow microbatch sizes that do not divide the batch
@@ -1343,11 +1343,12 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
     while improved:
         improved = False
         moves = list(search.neighbours(c.tasks, c.seq))
+        keys = [tuple(m) for m in moves]
         scan, seen = [], set(judged)
         for k in range(len(moves)):         # the neighbours not simulated yet, in scan order
             i = (at + k) % len(moves)
-            if tuple(moves[i]) not in seen:
-                seen.add(tuple(moves[i]))
+            if keys[i] not in seen:
+                seen.add(keys[i])
                 scan.append(i)
         for first in range(0, len(scan), width):
             batch = scan[first:first + width]
@@ -1359,7 +1360,7 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
                 if j and S.budget.left(reserve=reserve) <= 0:
                     return plan_, t_best
                 seq = moves[i]
-                judged.add(tuple(seq))
+                judged.add(keys[i])
                 t = S.judge(cand, result)
                 S.budget.spend(Budget.PER_TASK * len(seq))
                 if t < t_best * (1 - 1e-9):
