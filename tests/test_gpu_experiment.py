@@ -118,3 +118,16 @@ def test_cached_model_build_has_the_same_weights_and_buffers(tmp_path):
     x, y = fresh.make_batch(2, torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert again.loss(x, y).item() == fresh.loss(x, y).item()
+
+
+def test_first_recompute_excess_counts_packs_with_later_microbatches_only():
+    from experiments.gpu.first_rec import first_rec_excess
+
+    def ev(name, ts, dur):
+        return {"ph": "X", "name": name, "ts": ts * 1e3, "dur": dur * 1e3, "tid": 0}
+    trace = {"traceEvents": [{"ph": "M", "name": "thread_name"},
+                             ev("REC 4-7", 0, 10), ev("BWD 4-7", 10, 3), ev("REC 4-7", 13, 5), ev("REC 4-7", 18, 4),
+                             ev("REC 0-3", 22, 9), ev("BWD 0-3", 31, 2)]}
+    got = first_rec_excess(trace)
+    # pack 4-7: first 10 ms against the shortest later one, 4 ms; pack 0-3 has no later microbatch
+    assert got == {"step_ms": 33.0, "packs": 1, "excess_ms": 6.0, "later_rec_ms": 9.0}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What slows a backward pack's first recompute? GPT-2 XL, D=2, the committed 11 GB plans, each run alone
+# in a fresh process (experiments.gpu.trial), settings alternated (results/gpu/first_rec_h200.md):
+#   experiments/gpu/first_rec.sh headroom    ours at allocator caps of 11 and 13 GB, and Harmony's at 11 GB
+#   experiments/gpu/first_rec.sh allocator   ours with and without expandable segments, and with 8 CPU-optimizer
+#                                            threads instead of cores - 2
+# On a GPU machine; results in /tmp/<check>, packed into $OUT/<check>.tgz after each run.
+set -u
+check=${1:?headroom or allocator}
+cd "$(dirname "$0")/../.."
+out=/tmp/$check; mkdir -p "$out"; k=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+case=experiments/results/gpu/gpt2_xl_cap11GB
+trial() {   # METHOD CAP_GB NAME [python -c prelude]: one run, its median step and first-recompute excess
+    local job="{\"method\": \"$1\", \"model\": \"gpt2-xl\", \"batch\": 2, \"cap\": ${2}000000000, \"warmup\": 2,
+                \"steps\": 6, \"device\": \"cuda\", \"plan\": \"$case/$1.plan.json\",
+                \"trace_path\": \"$out/$3.trace.json\"}"
+    timeout 200 python3 -c "${4:-}
+import sys
+from experiments.gpu.trial import main
+main(sys.argv[1:])" "$job" "$out/$3.run.json"
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[1], r.get('step_s_median'),
+                r.get('peak_reserved'), r.get('error'))" "$out/$3.run.json"
+    python3 -m experiments.gpu.first_rec "$out/$3.trace.json"
+    [ -n "${OUT:-}" ] && tar czf "$OUT/$check.tgz" -C /tmp "$check"
+}
+if [ "$check" = headroom ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_executor.py tests/test_profiler.py 2>&1 \
+        | tail -3 | tee "$out/tests.txt"
+    for spec in ours:11 ours:13 harmony:11 ours:11 ours:13; do
+        k=$((k + 1)); trial "${spec%:*}" "${spec#*:}" "$k.${spec%:*}.${spec#*:}"
+    done
+else
+    eight="import runtime.worker as w; w.host_threads = lambda world, device, current=None: min(8, current or 8)"
+    for spec in expandable plain threads8 plain expandable; do
+        k=$((k + 1))
+        case $spec in
+            expandable) (export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; trial ours 11 "$k.$spec") ;;
+            plain) (unset PYTORCH_CUDA_ALLOC_CONF; trial ours 11 "$k.$spec") ;;
+            threads8) (export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; trial ours 11 "$k.$spec" "$eight") ;;
+        esac
+    done
+fi
