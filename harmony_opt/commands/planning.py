@@ -12,7 +12,7 @@ from ..hardware import get_hardware
 from ..host_memory import host_memory
 from ..plan import Plan
 from ..units import fmt_bytes
-from .common import plan_profile
+from .common import plan_profile, writable_file
 
 
 def _common(p):
@@ -142,9 +142,18 @@ def solver_summary(s: dict) -> list[str]:
     return out
 
 
+def _outputs(args, example: str = "plan.json") -> None:
+    """Check the output paths before the search: a bad path fails in a second, not after it."""
+    if getattr(args, "output", None):
+        writable_file(args.output, "-o", example)
+    if getattr(args, "plot", None):
+        writable_file(args.plot, "--plot", "timeline.png")
+
+
 def _plan(args):
     from solver_models.planner import PlannerOptions, plan, usable_cores
     profile, hw = _inputs(args)
+    _outputs(args)
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, wall_limit=args.wall_limit,
                           seed=args.seed, workers=args.workers, hint=not args.no_hint,
                           processes=usable_cores(4) if args.processes is None else args.processes,
@@ -186,6 +195,7 @@ def _plan(args):
 def _baseline(args):
     from ..baselines import get_planner
     profile, hw = _inputs(args)
+    _outputs(args)
     planner = get_planner(args.planner)
     kw = {"gpus": args.gpus}
     if args.planner.lower() == "harmony":
@@ -204,6 +214,7 @@ def _simulate(args):
     from ..simulator import simulate
     plan = Plan.load(args.plan)
     profile = plan_profile(plan, args.plan, args.profile)
+    _outputs(args)
     if args.hardware:
         hw = get_hardware(args.hardware)
     elif plan.hardware:
@@ -294,6 +305,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
 
 def _compare(args):
     profile, hw = _inputs(args)
+    _outputs(args, "compare.csv")
     df, plans = compare_table(profile, hw, args.batch, args.mode, args.gpus, args.time_limit)
     print(f"{profile.name}, minibatch {args.batch}, {hw.name} (cap {hw.gpu_memory_bytes / 2**30:.2f} GiB), "
           f"default cost model")
