@@ -1382,12 +1382,15 @@ def timeline_slowness(events: int) -> float:
 
 
 def _timeline(S: _Search, plan_: Plan) -> dict | None:
-    """Step 6: the timeline model of the plan's events, with what is left of the budget."""
+    """Step 6: the timeline model of the plan's events, with what is left of the budget, at most a
+    tenth of the time limit: its deterministic second costs 0.4-6 wall seconds depending on the plan
+    (gpt2_xl D=7 on 4 GPUs, 387 events: 6), so a short limit is not overrun by a model that only
+    reports on the plan."""
     if S.timeline_share <= 0:
         return None
     events = simulate(plan_, S.profile, S.hw, with_timeline=False).meta["events"]
     slow = timeline_slowness(events)
-    limit = min(1.0, (S.budget.left() - Budget.PER_TIMELINE_EVENT * events) / slow)
+    limit = min(1.0, 0.1 * S.opts.time_limit, (S.budget.left() - Budget.PER_TIMELINE_EVENT * events) / slow)
     if limit < 0.05:
         return None
     S.budget.spend(Budget.PER_TIMELINE_EVENT * events + limit * slow)

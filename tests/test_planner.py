@@ -758,6 +758,26 @@ def test_timeline_model_schedules_the_simulated_events_at_least_as_well():
     assert tl["bound"] - 1e-6 <= tl["objective"] <= p.simulated_iteration_time_s + 1e-6
 
 
+@pytest.mark.parametrize("time_limit", [2.0, 20.0])
+def test_timeline_model_gets_at_most_a_tenth_of_a_short_time_limit(time_limit, monkeypatch):
+    """The timeline model only reports on the chosen plan; its deterministic second can cost several
+    wall seconds, so under a short --time-limit it must not take the rest of the budget (at most
+    1 s, a tenth of the limit below 10 s)."""
+    import solver_models.planner as planner
+    from solver_models.timeline import solve_timeline
+    asked = []
+
+    def timed(*a, **k):
+        asked.append(k["time_limit"])
+        return solve_timeline(*a, **k)
+    monkeypatch.setattr(planner, "solve_timeline", timed)
+    prof = synthetic_profile(R=10, seed=7)
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+    p = plan(prof, hw, 8, PlannerOptions(time_limit=time_limit), memory_cap=int(prof.costs("BWD", 4).pack_memory(0, 9)))
+    assert len(asked) == 1 and 0 < asked[0] <= min(1.0, 0.1 * time_limit) + 1e-9
+    assert p.solver["timeline"]["status"] in ("OPTIMAL", "FEASIBLE")
+
+
 def test_timeline_bound_holds_when_the_search_has_no_time():
     """Out of budget, CP-SAT may prove nothing; the bound is then the longest precedence chain or the
     busiest stream: above zero, never above what the simulator achieves, and no weaker than CP-SAT's."""
