@@ -21,15 +21,30 @@ from pathlib import Path
 from .errors import HarmonyOptError, OutputError
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    path = Path(path)
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A new temporary file in ``path``'s folder (made if missing), or OutputError saying why not."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_dir():
             raise IsADirectoryError(21, "is a folder", str(path))
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise _output_error(path, e) from None
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail now, with the error ``atomic_write_bytes`` would raise later, where ``path`` cannot be
+    written: for an output written after long work (a search), so a bad path costs a second."""
+    path = Path(path)
+    fd, tmp = _temp_beside(path)
+    os.close(fd)
+    os.unlink(tmp)
+    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    path = Path(path)
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

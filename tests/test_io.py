@@ -58,6 +58,22 @@ def test_interrupted_first_write_leaves_no_target(tmp_path, monkeypatch):
     assert not any(p.is_file() for p in (tmp_path / "prof").iterdir())
 
 
+def test_check_writable_fails_as_the_write_would_and_leaves_nothing(tmp_path):
+    """The CLI checks an output path before a search with this; it must refuse what the write
+    would refuse, in the same words, and leave the folder as it found it."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad in (blocker / "plan.json", tmp_path):
+        with pytest.raises(OutputError) as checked:
+            io.check_writable(bad)
+        with pytest.raises(OutputError) as written:
+            io.atomic_write_text(bad, "{}")
+        assert str(checked.value) == str(written.value)
+    good = tmp_path / "new" / "plan.json"
+    assert io.check_writable(good) == good and not good.exists() and list(good.parent.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "new"]
+
+
 def test_a_refused_write_is_a_one_line_user_error(tmp_path, monkeypatch):
     """Disk full, no permission, a folder or a file in the way: an OutputError (exit code 2 in the CLI)
     that is still an OSError, and no temporary file is left."""

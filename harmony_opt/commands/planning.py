@@ -10,9 +10,10 @@ from ..bundled import load_profile
 from ..errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from ..hardware import get_hardware
 from ..host_memory import host_memory
+from ..io import check_writable
 from ..plan import Plan
 from ..units import fmt_bytes
-from .common import plan_profile, writable_file
+from .common import plan_profile
 
 
 def _common(p):
@@ -142,12 +143,11 @@ def solver_summary(s: dict) -> list[str]:
     return out
 
 
-def _outputs(args, example: str = "plan.json") -> None:
+def _outputs(args) -> None:
     """Check the output paths before the search: a bad path fails in a second, not after it."""
-    if getattr(args, "output", None):
-        writable_file(args.output, "-o", example)
-    if getattr(args, "plot", None):
-        writable_file(args.plot, "--plot", "timeline.png")
+    for path in (getattr(args, "output", None), getattr(args, "plot", None)):
+        if path:
+            check_writable(path)
 
 
 def _plan(args):
@@ -305,7 +305,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
 
 def _compare(args):
     profile, hw = _inputs(args)
-    _outputs(args, "compare.csv")
+    _outputs(args)
     df, plans = compare_table(profile, hw, args.batch, args.mode, args.gpus, args.time_limit)
     print(f"{profile.name}, minibatch {args.batch}, {hw.name} (cap {hw.gpu_memory_bytes / 2**30:.2f} GiB), "
           f"default cost model")
