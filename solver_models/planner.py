@@ -1287,7 +1287,8 @@ def _judge_candidates(S: _Search, found: list[_Candidate], incumbent: Plan | Non
             break
         cand = S.plan_of(c, c.seq)
         t = S.judge(cand)
-        S.say(f"simulated {c.cfg} ({c.how}): {S.shown(t)} (model {c.value:.4f} s)" + ("  <- best" if t < best_t else ""))
+        S.say(f"simulated {c.cfg} ({c.how}): {S.shown(t)} (model {c.value:.4f} s)"
+              + ("  <- best" if t < best_t else ""))
         if t < best_t:
             best_plan, best_t, best_c = cand, t, c
         if S.handoff(c.cfg):

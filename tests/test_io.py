@@ -264,7 +264,8 @@ def test_every_writing_command_goes_through_the_atomic_helpers(tmp_path, capsys,
             "num_layers": 8, "memory_cap": 10**8, "profile": {"name": "gpt2-tiny"}}
     io.atomic_write_json(t / "tiny.json", plan)
     commands = [
-        ["baseline", "--planner", "l2l", "--profile", "gpt2_medium", "--batch", "8", "--gpus", "2", "-o", t / "l2l.json"],
+        ["baseline", "--planner", "l2l", "--profile", "gpt2_medium", "--batch", "8", "--gpus", "2",
+         "-o", t / "l2l.json"],
         ["simulate", t / "l2l.json", "--trace", t / "trace.json", "--plot", t / "gantt.png"],
         ["show", "gpt2_medium", "--plot", t / "layers.png"],
         ["compare", "--profile", "gpt2_medium", "--batch", "4", "--gpus", "1", "--time-limit", "1",
