@@ -145,7 +145,7 @@ def solver_summary(s: dict) -> list[str]:
 
 def _outputs(args) -> None:
     """Check the output paths before the search: a bad path fails in a second, not after it."""
-    for path in (getattr(args, "output", None), getattr(args, "plot", None)):
+    for path in (getattr(args, name, None) for name in ("output", "plot", "trace")):
         if path:
             check_writable(path)
 
