@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
 from pathlib import Path
 
 from .errors import HardwareError
 from .units import GB, GiB, parse_bytes
+
+
+def usable_cores(most: int | None = None) -> int:
+    """The CPU cores this process may run on (its affinity; all of them where the OS has none), at
+    most ``most``: the planner's default process count and the runtime's host threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores if most is None else min(most, cores))
 
 
 @dataclasses.dataclass(frozen=True)

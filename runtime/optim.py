@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Callable
 
 import torch
 from torch import nn
 
 from harmony_opt.errors import UsageError
+from harmony_opt.hardware import usable_cores
 
 from .buffers import host_copy, host_empty
 
@@ -63,11 +63,7 @@ def fused_on_cpu() -> bool:
 def host_threads(world: int, device: str, current: int | None = None) -> int:
     """Intra-op threads of a rank (``world`` ranks share the cores): on a GPU, two cores fewer, left
     to the thread that issues GPU work and to the copies' host side; never more than ``current``."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:      # not on Linux
-        cores = os.cpu_count() or 1
-    n = max(1, cores // world - (2 if device == "cuda" else 0))
+    n = max(1, usable_cores() // world - (2 if device == "cuda" else 0))
     return min(n, current) if current else n
 
 

@@ -36,7 +36,6 @@ import heapq
 import logging
 import math
 import multiprocessing
-import os
 import sys
 import time
 
@@ -893,13 +892,6 @@ def _forked(S: _Search) -> None:
 def _play(plan_: Plan) -> tuple[float, int]:
     """``played`` of ``plan_`` in a process of _processes."""
     return played(plan_, _FORKED.profile, _FORKED.hw, _FORKED.opts.cost_model)
-
-
-def usable_cores(most: int) -> int:
-    """The cores this process may run on (its CPU affinity), at most ``most``: the CLI's default
-    ``processes``, which changes the wall time and never the plan."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(most, cores))
 
 
 @contextlib.contextmanager

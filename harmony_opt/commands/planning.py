@@ -8,7 +8,7 @@ import pandas as pd
 
 from ..bundled import load_profile
 from ..errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
-from ..hardware import get_hardware
+from ..hardware import get_hardware, usable_cores
 from ..host_memory import host_memory
 from ..io import check_writable
 from ..plan import Plan
@@ -151,7 +151,7 @@ def _outputs(args) -> None:
 
 
 def _plan(args):
-    from solver_models.planner import PlannerOptions, plan, usable_cores
+    from solver_models.planner import PlannerOptions, plan
     profile, hw = _inputs(args)
     _outputs(args)
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, wall_limit=args.wall_limit,
