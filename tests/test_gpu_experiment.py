@@ -131,3 +131,13 @@ def test_first_recompute_excess_counts_packs_with_later_microbatches_only():
     got = first_rec_excess(trace)
     # pack 4-7: first 10 ms against the shortest later one, 4 ms; pack 0-3 has no later microbatch
     assert got == {"step_ms": 33.0, "packs": 1, "excess_ms": 6.0, "later_rec_ms": 9.0}
+
+
+def test_first_recompute_tool_says_in_one_line_what_is_wrong_with_its_input(tmp_path, capsys):
+    from experiments.gpu.first_rec import main as first_rec
+    not_a_trace = tmp_path / "t.json"
+    not_a_trace.write_text('{"a": 1}')
+    for path, says in ((tmp_path / "missing.json", "does not exist"), (not_a_trace, "no timed events")):
+        assert first_rec([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1

@@ -8,13 +8,17 @@ shortest later one), the time the first microbatch of each pack loses (experimen
 """
 from __future__ import annotations
 
-import json
 import sys
 from collections import defaultdict
 
+from harmony_opt.errors import HarmonyOptError, UsageError
+from harmony_opt.io import read_json
+
 
 def first_rec_excess(trace: dict) -> dict:
-    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    if not ev:
+        raise UsageError("no timed events: give the Chrome trace a traced run wrote (trace_path)")
     recs = defaultdict(list)
     for e in sorted(ev, key=lambda e: e["ts"]):
         if e["name"].startswith("REC"):
@@ -25,12 +29,21 @@ def first_rec_excess(trace: dict) -> dict:
             "later_rec_ms": sum(sum(v[1:]) for v in multi)}
 
 
-def main(paths: list[str]) -> None:
-    for p in paths:
-        r = first_rec_excess(json.load(open(p)))
-        print(f"{p}: step {r['step_ms']:.1f} ms, first recompute over the later ones {r['excess_ms']:.1f} ms "
-              f"over {r['packs']} packs")
+def main(paths: list[str]) -> int:
+    try:
+        for p in paths:
+            trace = read_json(p, "trace", UsageError, "give the Chrome trace a traced run wrote (trace_path)")
+            try:
+                r = first_rec_excess(trace if isinstance(trace, dict) else {})
+            except UsageError as e:
+                raise UsageError(f"{p}: {e}") from None
+            print(f"{p}: step {r['step_ms']:.1f} ms, first recompute over the later ones {r['excess_ms']:.1f} ms "
+                  f"over {r['packs']} packs")
+    except HarmonyOptError as e:
+        print(f"python -m experiments.gpu.first_rec: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
