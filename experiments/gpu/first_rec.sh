@@ -6,7 +6,11 @@
 #                                            threads instead of cores - 2
 # On a GPU machine; results in /tmp/<check>, packed into $OUT/<check>.tgz after each run.
 set -u
-check=${1:?headroom or allocator}
+check=${1:-}
+if [ "$check" != headroom ] && [ "$check" != allocator ]; then
+    echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom or allocator (got '$check')" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/../.."
 out=/tmp/$check; mkdir -p "$out"; k=0
 if ls .whl/*.whl >/dev/null 2>&1; then
