@@ -1,6 +1,7 @@
 """The GPU experiment's logic (experiments/gpu/), run on the CPU with tiny models and caps."""
 from __future__ import annotations
 
+import json
 import signal
 
 import pandas as pd
@@ -131,6 +132,21 @@ def test_first_recompute_excess_counts_packs_with_later_microbatches_only():
     got = first_rec_excess(trace)
     # pack 4-7: first 10 ms against the shortest later one, 4 ms; pack 0-3 has no later microbatch
     assert got == {"step_ms": 33.0, "packs": 1, "excess_ms": 6.0, "later_rec_ms": 9.0}
+
+
+def test_first_recompute_host_times_are_read_from_the_last_step(tmp_path, capsys):
+    from experiments.gpu.first_rec import host_excess, main as first_rec
+    rows = [[1, "(4, 7)", 0, 50.0], [1, "(4, 7)", 1, 1.0],          # a warm-up step: not counted
+            [2, "(4, 7)", 1, 2.0], [2, "(4, 7)", 0, 7.0], [2, "(4, 7)", 2, 3.0], [2, "(0, 3)", 0, 9.0]]
+    assert host_excess(rows) == {"packs": 1, "excess_ms": 5.0, "later_rec_ms": 5.0}
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(rows))
+    assert first_rec(["--host", str(path)]) == 0
+    assert "5.0 ms over 1 packs" in capsys.readouterr().out
+    path.write_text('{"a": 1}')
+    assert first_rec(["--host", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "no host times" in err and len(err.strip().splitlines()) == 1
 
 
 def test_first_recompute_tool_says_in_one_line_what_is_wrong_with_its_input(tmp_path, capsys):

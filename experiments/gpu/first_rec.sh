@@ -4,11 +4,13 @@
 #   experiments/gpu/first_rec.sh headroom    ours at allocator caps of 11 and 13 GB, and Harmony's at 11 GB
 #   experiments/gpu/first_rec.sh allocator   ours with and without expandable segments, and with 8 CPU-optimizer
 #                                            threads instead of cores - 2
+#   experiments/gpu/first_rec.sh launch      ours with CUDA_LAUNCH_BLOCKING=1 (every kernel alone) and without, the
+#                                            host time of each recompute's handler beside the device time
 # On a GPU machine; results in /tmp/<check>, packed into $OUT/<check>.tgz after each run.
 set -u
 check=${1:-}
-if [ "$check" != headroom ] && [ "$check" != allocator ]; then
-    echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom or allocator (got '$check')" >&2
+if [ "$check" != headroom ] && [ "$check" != allocator ] && [ "$check" != launch ]; then
+    echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom, allocator or launch (got '$check')" >&2
     exit 2
 fi
 cd "$(dirname "$0")/../.."
@@ -39,6 +41,26 @@ if [ "$check" = headroom ]; then
         | tail -3 | tee "$out/tests.txt"
     for spec in ours:11 ours:13 harmony:11 ours:11 ours:13; do
         k=$((k + 1)); trial "${spec%:*}" "${spec#*:}" "$k.${spec%:*}.${spec#*:}"
+    done
+elif [ "$check" = launch ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_executor.py tests/test_profiler.py 2>&1 \
+        | tail -3 | tee "$out/tests.txt"
+    # the host time of every recompute's handler (launching its kernels), written at exit to $HOST_TIMES
+    timed="import atexit, json, os, time, runtime.executor as X
+from harmony_opt.program import Kind
+rows, rec = [], X._HANDLERS[Kind.REC]
+def timed_rec(self, ins, e):
+    t = time.perf_counter(); made = rec(self, ins, e)
+    rows.append([self.step, str(ins.layers), ins.mb, (time.perf_counter() - t) * 1e3]); return made
+X._HANDLERS[Kind.REC] = timed_rec
+atexit.register(lambda: json.dump(rows, open(os.environ['HOST_TIMES'], 'w')))"
+    for spec in async blocking async blocking; do
+        k=$((k + 1))
+        if [ $spec = blocking ]; then export CUDA_LAUNCH_BLOCKING=1; else unset CUDA_LAUNCH_BLOCKING; fi
+        HOST_TIMES="$out/$k.$spec.host.json" trial ours 11 "$k.$spec" "$timed"
+        python3 -m experiments.gpu.first_rec --host "$out/$k.$spec.host.json"
     done
 else
     eight="import runtime.worker as w; w.host_threads = lambda world, device, current=None: min(8, current or 8)"
