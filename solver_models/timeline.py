@@ -41,6 +41,10 @@ from . import cpsat
 
 SCALE = 1e6   # seconds -> integer microseconds (the timeline model keeps event times exact to 1 us)
 
+#: TimelineResult.status where CP-SAT found no schedule in its time: the result is the simulator's
+#: schedule (the hint, feasible for the model) against the model's floor (``_floor_ticks``)
+HINT = "SIMULATOR_SCHEDULE"
+
 
 @dataclasses.dataclass
 class TimelineResult:
@@ -148,7 +152,14 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     name = solver.status_name(status)
     wall = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return TimelineResult(name, None, float("nan"), simulated, len(ev), wall, [])
+        # out of time before CP-SAT took up its hint (a wall limit, thousands of events): the hint is a
+        # schedule of the model all the same, and the floor a bound on every one
+        hinted = max(ticks(e.start) + ticks(e.duration) for e in ev)
+        if report:
+            report(f"timeline: {len(ev)} events, CP-SAT {name.lower()} in its time: the simulator's schedule "
+                   f"{hinted / SCALE:.4f} s (bound {floor / SCALE:.4f} s)")
+        return TimelineResult(HINT, hinted / SCALE, floor / SCALE, simulated, len(ev), wall,
+                              [ticks(e.start) / SCALE for e in ev])
     # a search stopped by its budget before propagating may report a bound of 0; the floor holds for
     # every schedule of these events all the same
     bound = max(solver.best_objective_bound, floor)

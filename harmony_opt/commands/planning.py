@@ -138,7 +138,10 @@ def solver_summary(s: dict) -> list[str]:
                    + (f", {s['out_of_budget']} not reached in the time limit" if s.get("out_of_budget") else "") + ")")
     t = s.get("timeline")
     if t and t.get("objective") is not None:
-        out.append(f"timeline model of this plan's events (CP-SAT {t['status'].lower()}): {t['objective']:.4f} s, "
+        from solver_models.timeline import HINT
+        source = "no schedule found in its time: the simulator's" if t["status"] == HINT else \
+            f"CP-SAT {t['status'].lower()}"
+        out.append(f"timeline model of this plan's events ({source}): {t['objective']:.4f} s, "
                    f"bound {t['bound']:.4f} s, gap {pct(t['gap'])}")
     return out
 
