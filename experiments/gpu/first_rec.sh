@@ -6,11 +6,14 @@
 #                                            threads instead of cores - 2
 #   experiments/gpu/first_rec.sh launch      ours with CUDA_LAUNCH_BLOCKING=1 (every kernel alone) and without, the
 #                                            host time of each recompute's handler beside the device time
+#   experiments/gpu/first_rec.sh hostprof    ours twice, each measured recompute's handler under cProfile: per call,
+#                                            the functions' own host time in first and in later microbatches
 # On a GPU machine; results in /tmp/<check>, packed into $OUT/<check>.tgz after each run.
 set -u
 check=${1:-}
-if [ "$check" != headroom ] && [ "$check" != allocator ] && [ "$check" != launch ]; then
-    echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom, allocator or launch (got '$check')" >&2
+if [ "$check" != headroom ] && [ "$check" != allocator ] && [ "$check" != launch ] && [ "$check" != hostprof ]; then
+    echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom, allocator, launch or hostprof" \
+         "(got '$check')" >&2
     exit 2
 fi
 cd "$(dirname "$0")/../.."
@@ -61,6 +64,38 @@ atexit.register(lambda: json.dump(rows, open(os.environ['HOST_TIMES'], 'w')))"
         if [ $spec = blocking ]; then export CUDA_LAUNCH_BLOCKING=1; else unset CUDA_LAUNCH_BLOCKING; fi
         HOST_TIMES="$out/$k.$spec.host.json" trial ours 11 "$k.$spec" "$timed"
         python3 -m experiments.gpu.first_rec --host "$out/$k.$spec.host.json"
+    done
+elif [ "$check" = hostprof ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+    # the measured steps' recompute handlers under cProfile, first microbatches apart from later ones; at exit
+    # $HOST_PROFILE gets [function, ms per first call, ms per later call] by the difference, largest first
+    profiled="import atexit, cProfile, json, os, pstats, runtime.executor as X
+from harmony_opt.program import Kind
+rec, profs, calls = X._HANDLERS[Kind.REC], {True: cProfile.Profile(), False: cProfile.Profile()}, {True: 0, False: 0}
+def profiled_rec(self, ins, e):
+    if self.step < 2:
+        return rec(self, ins, e)
+    first = not ins.mb
+    calls[first] += 1
+    return profs[first].runcall(rec, self, ins, e)
+X._HANDLERS[Kind.REC] = profiled_rec
+def dump():
+    own = {}
+    for first, prof in profs.items():
+        for (f, line, name), row in pstats.Stats(prof).stats.items():
+            key = f'{name} ({os.path.basename(f)}:{line})'
+            own.setdefault(key, {})[first] = row[2] * 1e3 / max(1, calls[first])
+    rows = sorted(([k, v.get(True, 0.0), v.get(False, 0.0)] for k, v in own.items()), key=lambda r: r[2] - r[1])
+    json.dump({'calls': {'first': calls[True], 'later': calls[False]}, 'rows': rows},
+              open(os.environ['HOST_PROFILE'], 'w'))
+atexit.register(dump)"
+    for k in 1 2; do
+        HOST_PROFILE="$out/$k.hostprof.json" trial ours 11 "$k.hostprof" "$profiled"
+        python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(d['calls'])
+for name, a, b in d['rows'][:12]:
+    print(f'{a - b:8.2f} ms  first {a:8.2f}  later {b:8.2f}  {name}')" "$out/$k.hostprof.json"
+        [ -n "${OUT:-}" ] && tar czf "$OUT/$check.tgz" -C /tmp "$check"
     done
 else
     eight="import runtime.worker as w; w.host_threads = lambda world, device, current=None: min(8, current or 8)"
