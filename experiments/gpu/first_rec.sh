@@ -8,11 +8,14 @@
 #                                            host time of each recompute's handler beside the device time
 #   experiments/gpu/first_rec.sh hostprof    ours twice, each measured recompute's handler under cProfile: per call,
 #                                            the functions' own host time in first and in later microbatches
+#   experiments/gpu/first_rec.sh gate        ours with each CPU optimizer step held until the next pack's first
+#                                            recompute is issued (at most 0.2 s), and without, alternated
 # On a GPU machine; results in /tmp/<check>, packed into $OUT/<check>.tgz after each run.
 set -u
 check=${1:-}
-if [ "$check" != headroom ] && [ "$check" != allocator ] && [ "$check" != launch ] && [ "$check" != hostprof ]; then
-    echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom, allocator, launch or hostprof" \
+if [ "$check" != headroom ] && [ "$check" != allocator ] && [ "$check" != launch ] && [ "$check" != hostprof ] \
+        && [ "$check" != gate ]; then
+    echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom, allocator, launch, hostprof or gate" \
          "(got '$check')" >&2
     exit 2
 fi
@@ -96,6 +99,43 @@ atexit.register(dump)"
 for name, a, b in d['rows'][:12]:
     print(f'{a - b:8.2f} ms  first {a:8.2f}  later {b:8.2f}  {name}')" "$out/$k.hostprof.json"
         [ -n "${OUT:-}" ] && tar czf "$OUT/$check.tgz" -C /tmp "$check"
+    done
+elif [ "$check" = gate ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+    # a CPU step submitted after the k-th first recompute waits (on the worker) for the (k+1)-th to be issued
+    gated="import threading, runtime.executor as X
+from harmony_opt.program import Kind, Stream
+rec, update, cond, issued = X._HANDLERS[Kind.REC], X._HANDLERS[Kind.UPD], threading.Condition(), [0]
+def counted_rec(self, ins, e):
+    made = rec(self, ins, e)
+    if not ins.mb:
+        with cond:
+            issued[0] += 1
+            cond.notify_all()
+    return made
+class Held:
+    def __init__(self, pool):
+        self.pool = pool
+    def submit(self, fn):
+        after = issued[0]
+        def held():
+            with cond:
+                cond.wait_for(lambda: issued[0] > after, timeout=0.2)
+            return fn()
+        return self.pool.submit(held)
+def held_update(self, ins, e):
+    if ins.stream is not Stream.CPU:
+        return update(self, ins, e)
+    pool, self.pool = self.pool, Held(self.pool)
+    try:
+        return update(self, ins, e)
+    finally:
+        self.pool = pool
+X._HANDLERS[Kind.REC], X._HANDLERS[Kind.UPD] = counted_rec, held_update"
+    for spec in held plain held; do
+        k=$((k + 1))
+        if [ $spec = held ]; then trial ours 11 "$k.$spec" "$gated"; else trial ours 11 "$k.$spec"; fi
     done
 else
     eight="import runtime.worker as w; w.host_threads = lambda world, device, current=None: min(8, current or 8)"
