@@ -151,7 +151,9 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     status = solver.solve(m)
     name = solver.status_name(status)
     wall = time.perf_counter() - t0
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):      # a bug, not the time
+        return TimelineResult(name, None, float("nan"), simulated, len(ev), wall, [])
+    if status == cp_model.UNKNOWN:
         # out of time before CP-SAT took up its hint (a wall limit, thousands of events): the hint is a
         # schedule of the model all the same, and the floor a bound on every one
         hinted = max(ticks(e.start) + ticks(e.duration) for e in ev)
