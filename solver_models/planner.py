@@ -1323,11 +1323,16 @@ def _handoff_chains(S: _Search, c: _Candidate, plan_: Plan, t_best: float) -> tu
              "backward in": np.where(bwd, d["link_in"], 0), "backward out": d["link_out"] - d["link_out_fwd"]}
 
     def binding(seq) -> np.ndarray | None:
-        """The link traffic of the phases whose floor ``seq`` reaches (pairwise), or None."""
-        fwd_part, _, bwd_part, _ = phase_parts(tasks, seq, pairwise=True)
-        cols = [max(pair, key=lambda k: int(terms[k][seq].sum())) for pair, part in
-                ((("forward in", "forward out"), fwd_part), (("backward in", "backward out"), bwd_part))
-                if max(int(terms[k][seq].sum()) for k in pair) > part]
+        """The link traffic of the phases whose floor ``seq`` reaches (pairwise), or None: of each such
+        phase, the direction its floor (the larger of the two) counts. None too where ``seq`` does not
+        fit the host's memory (the DP does not count it), which ends the pricing there."""
+        parts = phase_parts(tasks, seq, pairwise=True)
+        if parts is None:
+            return None
+        fwd_part, fwd_link, bwd_part, bwd_link = parts
+        cols = [max(pair, key=lambda k: int(terms[k][seq].sum())) for pair, part, link in
+                ((("forward in", "forward out"), fwd_part, fwd_link), (("backward in", "backward out"), bwd_part,
+                                                                        bwd_link)) if link > part]
         return sum(terms[k] for k in cols) if cols else None
     chains, priced = [], None
     for theta in HANDOFF_PRICES:
@@ -1342,7 +1347,7 @@ def _handoff_chains(S: _Search, c: _Candidate, plan_: Plan, t_best: float) -> tu
         if np.isfinite(value) and seq not in [s for s, _ in chains]:
             chains.append((seq, value))
         cols = binding(seq)
-        if cols is None:            # the floor no longer binds: a higher price only trades time for traffic
+        if cols is None:            # no floor binds: a higher price only trades time for traffic
             break
         if theta == 0:
             priced = cols

@@ -517,6 +517,19 @@ def test_chains_that_keep_gradients_on_the_gpu_are_searched_in_their_own_model(m
     assert simulate(searched, prof, hw).iteration_time == searched.simulated_iteration_time_s
 
 
+def test_chains_that_keep_gradients_on_the_gpu_are_priced_within_the_hosts_memory():
+    """With 26 GiB of host memory the DP's chain of 106 backward packs does not fit the host (the DP
+    does not count host memory): the pricing stops there instead of failing (it raised TypeError
+    before), and the plan fits the host."""
+    import dataclasses
+    from harmony_opt.host_memory import require_fits
+    prof = load_profile("vgg416")
+    hw = dataclasses.replace(get_hardware("1080ti-x4"), host_memory_bytes=26 * 2**30, pinned_memory_bytes=26 * 2**30)
+    p = plan(prof, hw, 64, PlannerOptions(mode="vDP", gpus=4, time_limit=3, uneven=True), memory_cap=10 * 2**30)
+    require_fits(p, prof, hw, "the plan")
+    assert p.gpu_handoff and simulate(p, prof, hw).iteration_time == p.simulated_iteration_time_s
+
+
 def test_local_search_is_deterministic_and_never_worse():
     prof, hw, cap, cfg = _instance(14, 3, 2, 2, 0.4, 2, mode="vPP")
     tasks = build_tasks(prof, hw, 8, cfg, cap)
