@@ -13,12 +13,12 @@
 # On a GPU machine; results in /tmp/<check>, packed into $OUT/<check>.tgz after each run.
 set -u
 check=${1:-}
-if [ "$check" != headroom ] && [ "$check" != allocator ] && [ "$check" != launch ] && [ "$check" != hostprof ] \
-        && [ "$check" != gate ]; then
-    echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom, allocator, launch, hostprof or gate" \
-         "(got '$check')" >&2
-    exit 2
-fi
+case $check in
+    headroom | allocator | launch | hostprof | gate) ;;
+    *) echo "experiments/gpu/first_rec.sh: error: give the check to run, headroom, allocator, launch, hostprof or" \
+            "gate (got '$check')" >&2
+       exit 2 ;;
+esac
 cd "$(dirname "$0")/../.."
 out=/tmp/$check; mkdir -p "$out"; k=0
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -40,19 +40,20 @@ main(sys.argv[1:])" "$job" "$out/$3.run.json"
     python3 -m experiments.gpu.first_rec "$out/$3.trace.json"
     [ -n "${OUT:-}" ] && tar czf "$OUT/$check.tgz" -C /tmp "$check"
 }
-if [ "$check" = headroom ]; then
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+cuda_tests() {   # the executor's and profiler's CUDA tests, before the runs
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_executor.py tests/test_profiler.py 2>&1 \
         | tail -3 | tee "$out/tests.txt"
+}
+# expandable segments unless a run says otherwise (the allocator check sets or unsets it per run)
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+if [ "$check" = headroom ]; then
+    cuda_tests
     for spec in ours:11 ours:13 harmony:11 ours:11 ours:13; do
         k=$((k + 1)); trial "${spec%:*}" "${spec#*:}" "$k.${spec%:*}.${spec#*:}"
     done
 elif [ "$check" = launch ]; then
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_executor.py tests/test_profiler.py 2>&1 \
-        | tail -3 | tee "$out/tests.txt"
+    cuda_tests
     # the host time of every recompute's handler (launching its kernels), written at exit to $HOST_TIMES
     timed="import atexit, json, os, time, runtime.executor as X
 from harmony_opt.program import Kind
@@ -69,8 +70,6 @@ atexit.register(lambda: json.dump(rows, open(os.environ['HOST_TIMES'], 'w')))"
         python3 -m experiments.gpu.first_rec --host "$out/$k.$spec.host.json"
     done
 elif [ "$check" = hostprof ]; then
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
     # the measured steps' recompute handlers under cProfile, first microbatches apart from later ones; at exit
     # $HOST_PROFILE gets [function, ms per first call, ms per later call] by the difference, largest first
     profiled="import atexit, cProfile, json, os, pstats, runtime.executor as X
@@ -101,8 +100,6 @@ for name, a, b in d['rows'][:12]:
         [ -n "${OUT:-}" ] && tar czf "$OUT/$check.tgz" -C /tmp "$check"
     done
 elif [ "$check" = gate ]; then
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
     # a CPU step submitted after the k-th first recompute waits (on the worker) for the (k+1)-th to be issued
     gated="import threading, runtime.executor as X
 from harmony_opt.program import Kind, Stream
