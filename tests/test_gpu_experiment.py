@@ -157,3 +157,7 @@ def test_first_recompute_tool_says_in_one_line_what_is_wrong_with_its_input(tmp_
         assert first_rec([str(path)]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1
+    for args in ([], ["--host"]):
+        assert first_rec(args) == 2
+        err = capsys.readouterr().err
+        assert "give the traces to read" in err and len(err.strip().splitlines()) == 1

@@ -54,6 +54,8 @@ def host_excess(rows: list) -> dict:
 def main(args: list[str]) -> int:
     host = bool(args) and args[0] == "--host"
     try:
+        if not args[host:]:
+            raise UsageError("give the traces to read (TRACE.json ...), or --host HOST.json ...")
         for p in args[host:]:
             if host:
                 rows = read_json(p, "host times", UsageError, "give the rows first_rec.sh launch writes")
