@@ -272,18 +272,21 @@ def plan_zero_offload(profile, hw, batch, cap, gpus=None, **_):
 
 
 def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=("balanced_time", "reuse"),
-                 packing_bwd=("balanced_time",), cost_model="default", **kw):
-    """Harmony's search; under the default cost model its candidates are judged by our simulator."""
+                 packing_bwd=("balanced_time",), cost_model="default", play_many=None, **kw):
+    """Harmony's search; under the default cost model its candidates are judged by our simulator.
+    ``play_many(plans)``: ``played`` of each plan (default: one after the other here), e.g. in other
+    processes: the same plan, sooner."""
     from .harmony_compat import harmony_search
     n = _gpus(hw, gpus)
     events = [0]
 
-    def scorer(plan):
-        t, n_events = played(plan.replace(cost_model="default", **_ident(profile, hw)), profile, hw)
-        events[0] += n_events
-        return t
+    def score_many(plans):
+        plans = [p.replace(cost_model="default", **_ident(profile, hw)) for p in plans]
+        results = list(play_many(plans)) if play_many is not None else [played(p, profile, hw) for p in plans]
+        events[0] += sum(n_events for _, n_events in results)
+        return [t for t, _ in results]
     res = harmony_search(profile, batch, n, mode, cap, packing_fwd=packing_fwd, packing_bwd=packing_bwd,
-                         rank_fit_normally=True, score=scorer if cost_model == "default" else None, **kw)
+                         rank_fit_normally=True, score_many=score_many if cost_model == "default" else None, **kw)
     plan = res.best_plan()
     # the work the search did, in events played (the planner charges it to its budget)
     plan = plan.replace(stats={**plan.stats, "events_simulated": res.events_simulated + events[0]})

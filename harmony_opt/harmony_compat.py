@@ -998,13 +998,15 @@ def harmony_search(profile, batch: int, gpus: int, mode: str, memory_cap,
                    packing_fwd=PACKING_SETS["published"][0], packing_bwd=PACKING_SETS["published"][1],
                    topk: int = 1, rank_fit_normally: bool = False, dedup: bool = False, ubatchsize_step: int = 1,
                    inequal_ubatchsize: bool = False, smaller_ufwd: bool = False,
-                   score: Callable[[Plan], float] | None = None, **sim_kwargs) -> HarmonySearchResult:
+                   score: Callable[[Plan], float] | None = None,
+                   score_many: Callable[[list[Plan]], list[float]] | None = None, **sim_kwargs) -> HarmonySearchResult:
     """Harmony's search (section 4): enumerate sizes x packers, score each, keep the Top-K.
 
     ``packing_fwd``/``packing_bwd``: method names, a comma list or a set name ("published",
     "defaults"/"all"). ``memory_cap`` in bytes (Harmony's cap times its scale). ``topk=-1``
     keeps every candidate. ``score(plan) -> seconds`` replaces Harmony's simulator (the
-    ranking rule stays Harmony's). ``sim_kwargs``: bw_swap, bw_p2p, bw_msg, time_del,
+    ranking rule stays Harmony's); ``score_many(plans) -> seconds each``, all distinct candidates at
+    once (e.g. in other processes). ``sim_kwargs``: bw_swap, bw_p2p, bw_msg, time_del,
     prefetch_offload. Raises InfeasibleError when no candidate is valid.
     """
     t0 = time.perf_counter()
@@ -1053,23 +1055,25 @@ def harmony_search(profile, batch: int, gpus: int, mode: str, memory_cap,
     top = _Top(topk, dedup)
     memo: dict[tuple, tuple[float, int | None]] = {}
     events = 0
+    if score is not None or score_many is not None:
+        plans = {(u_fwd, pf, u_bwd, pb): None for u_fwd, pf, u_bwd, pb, _, _ in candidates}
+        plans = {k: _candidate_plan(*k, batch, gpus, mode, R, int(memory_cap), prof_info) for k in plans}
+        times = score_many(list(plans.values())) if score_many is not None else map(score, plans.values())
+        memo = {k: (float(t), None) for k, t in zip(plans, times)}
     for u_fwd, pf, u_bwd, pb, mth_f, mth_b in candidates:
         ident = (u_fwd, pf, u_bwd, pb)
         if ident not in memo:
-            if score is None:
-                G = compose_task_graph(mode, gpus, batch, R, u_fwd, pf, u_bwd, pb)
-                res = _simulate(G, profile, sim, keep_events=False)
-                memo[ident] = (res.global_endtime, max(res.per_rank_memory))
-                events += res.n_events
-            else:
-                plan = _candidate_plan(u_fwd, pf, u_bwd, pb, batch, gpus, mode, R, int(memory_cap), prof_info)
-                memo[ident] = (float(score(plan)), None)
+            G = compose_task_graph(mode, gpus, batch, R, u_fwd, pf, u_bwd, pb)
+            res = _simulate(G, profile, sim, keep_events=False)
+            memo[ident] = (res.global_endtime, max(res.per_rank_memory))
+            events += res.n_events
         t, mem = memo[ident]
         key = t / 1000.0 if (len(pb) == 1 and not rank_fit_normally) else t
         top.add(HarmonyCandidate(u_fwd, pf, u_bwd, pb, mth_f, mth_b, t, key, mem))
     settings = {**sim, "topk": topk, "rank_fit_normally": rank_fit_normally, "dedup": dedup,
                 "ubatchsize_step": ubatchsize_step, "inequal_ubatchsize": inequal_ubatchsize,
-                "smaller_ufwd": smaller_ufwd, "scored_by": "harmony" if score is None else "custom"}
+                "smaller_ufwd": smaller_ufwd,
+                "scored_by": "harmony" if score is None and score_many is None else "custom"}
     return HarmonySearchResult(top.ranked(), len(candidates), space, time.perf_counter() - t0, prof_info, R,
                                batch, gpus, mode, int(memory_cap), {"fwd": list(m_fwd), "bwd": list(m_bwd)},
                                settings, events)

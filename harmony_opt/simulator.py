@@ -84,6 +84,13 @@ def simulate(plan: Plan, profile: Profile, hardware: Hardware, *, memory_cap: in
     return sim.run(with_timeline)
 
 
+def count_events(plan: Plan, profile: Profile, hardware: Hardware) -> int:
+    """The events ``simulate`` plays for ``plan``, from its expansion alone (about half the work)."""
+    sim = _Expansion(plan, profile, hardware, int(plan.memory_cap or hardware.gpu_memory_bytes), plan.prefetch)
+    sim.build()
+    return len(sim.events)
+
+
 def check_memory(plan: Plan, profile: Profile, cap: int) -> None:
     """Every task alone must fit: its pack's working set at its microbatch size."""
     need_of = task_memories(plan, profile)
@@ -478,13 +485,14 @@ class _Expansion:
                     since[si] = t
         iteration = max(e.end for e in ev)
         ranks = self.plan.gpus
-        records = []
+        steps = [memory_steps(r, mem_deltas.get(r, [])) for r in range(ranks)]
         if with_timeline:
             records = [(e.rank, e.stream, e.kind, e.task, e.pack, e.microbatch, e.start, e.end, e.nbytes)
                        for e in ev if e.kind != "free"]
-        steps = [memory_steps(r, mem_deltas.get(r, [])) for r in range(ranks)]
-        tl = Timeline.from_records(records, iteration, [row for rows in steps for row in rows], cost_model="default",
-                                   ranks=ranks)
+            tl = Timeline.from_records(records, iteration, [row for rows in steps for row in rows],
+                                       cost_model="default", ranks=ranks)
+        else:
+            tl = Timeline.summary(iteration, cost_model="default", ranks=ranks)
         tl.meta["events"] = len(ev)
         if not with_timeline:
             tl.meta["peak_memory"] = {r: max((b for _, _, b in rows), default=0) for r, rows in enumerate(steps)}

@@ -28,6 +28,10 @@ STREAM_COLORS = {"swap_in_w": "tab:brown", "swap_in": "tab:orange", "SwapIn": "t
                  "P2POut": "tab:pink", "cpu": "tab:red", "CPU": "tab:red"}
 
 
+_NO_EVENTS = pd.DataFrame(columns=EVENT_COLUMNS)
+_NO_MEMORY = pd.DataFrame(columns=["rank", "time", "bytes"])
+
+
 @dataclasses.dataclass
 class Timeline:
     events: pd.DataFrame
@@ -45,11 +49,18 @@ class Timeline:
         mem = pd.DataFrame.from_records(list(memory_records), columns=["rank", "time", "bytes"])
         return cls(ev, float(iteration_time), mem, **kw)
 
+    @classmethod
+    def summary(cls, iteration_time: float, **kw) -> "Timeline":
+        """A Timeline without its tables (``meta`` carries the summaries): the planners simulate
+        thousands of candidates, and building two DataFrames cost a small plan's simulation a third
+        of its time."""
+        return cls(_NO_EVENTS.copy(), float(iteration_time), _NO_MEMORY.copy(), **kw)
+
     # -- summaries ------------------------------------------------------------------------
     def peak_memory(self) -> dict[int, int]:
         """Peak GPU bytes per rank."""
         if self.memory.empty:
-            return {}
+            return dict(self.meta.get("peak_memory", {}))
         return {int(r): int(g["bytes"].max()) for r, g in self.memory.groupby("rank")}
 
     def bytes_moved(self) -> dict[str, int]:

@@ -34,6 +34,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import heapq
 import logging
 import math
@@ -51,7 +52,7 @@ from harmony_opt.host_memory import may_bind, model_host_memory, require_fits
 from harmony_opt.memory import explain_infeasible, max_pack_end
 from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.profile import Profile
-from harmony_opt.simulator import simulate
+from harmony_opt.simulator import count_events
 
 from . import chain, dp, pipeline, search
 from .tasks import (MAX_ARCS_PER_START, MAX_LAYERS_WITH_STASH, MEM_UNIT, Config, Tasks, boundary_hops, build_tasks,
@@ -77,6 +78,12 @@ SIMULATE_WITHIN = 1.10
 #: GPU (_handoff_chains), tried in this order while the floor binds.
 HANDOFF_PRICES = (0.0, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
 
+#: The timeline model stops within this gap of its bound: its report proves the plan's schedule to
+#: within a few tenths of a percent, and closing them costs seconds of wall time on plans of
+#: thousands of events (bert_96 D=64, 6,356 events: the simulator's schedule 0.18 % above the
+#: floor, and CP-SAT took 4 s to improve nothing, against 0.2 s to stop at it).
+TIMELINE_REL_GAP = 5e-3
+
 
 @dataclasses.dataclass
 class PlannerOptions:
@@ -87,8 +94,8 @@ class PlannerOptions:
                                      # where it binds (plan.solver["stopped_by_wall"] says so)
     seed: int = 0
     workers: int = 1                # CP-SAT workers; >1 runs interleaved (deterministic) search
-    processes: int = 1              # processes for the first solutions, the local search and the simulator's
-                                    # descent: the same plan, sooner (_processes)
+    processes: int = 1              # processes for Harmony's hint, the first solutions, the local search and
+                                    # the simulator's descent: the same plan, sooner (_processes)
     rel_gap: float = 1e-3
     harmony_space: bool = False     # Harmony's space: its mode and GPUs, u_fwd >= u_bwd, sizes dividing the batch
     uneven: bool = False            # allow microbatch sizes that do not divide the batch
@@ -109,21 +116,40 @@ class Budget:
     CP-SAT at the wall seconds left (``wall_left``): the search ends in time on a slow machine,
     and ``stopped_by_wall`` records that the wall clock, not the work, decided where it stopped."""
 
-    PER_BOUND = 1.2e-3      # a configuration's cheap bound (config_bound)
-    PER_PATH_LAYER = 2.5e-4  # a vPP configuration's path bound (pipeline_path_bound), per layer
-    PER_CONFIG = 1.5e-3     # building a configuration's candidate tasks: fixed part ...
+    # Measured in session 29 on a 2-core machine in one of its slow hours, one process, over the 12
+    # distinct benchmark searches (least squares of wall time on the units; docs/planner.md, section 4)
+    PER_FLOOR = 2e-4        # a configuration's floor (compute_floor), which orders them all ...
+    PER_BOUND = 2.7e-3      # ... and its cheap bound (config_bound), where the search reaches it
+    PER_PATH_LAYER = 5e-4   # a vPP configuration's path bound (pipeline_path_bound), per layer
+    PER_CONFIG = 6e-3       # building a configuration's candidate tasks: fixed part ...
     PER_ROW = 5e-7          # ... and per candidate task
-    PER_NODE = 1.5e-5       # the DP, per layer boundary ...
+    PER_DP = 5e-3           # the DP: fixed part ...
+    PER_NODE = 4.5e-5       # ... per layer boundary ...
     PER_PAIR = 2e-8         # ... and per (predecessor, task) pair it weighs
     PER_START = 6e-6        # a balanced first solution, per task evaluated
-    PER_STEP = 1e-5         # a local-search step: fixed part ...
-    PER_TASK = 1e-6         # ... and per task of the evaluated sequence
-    PER_EVENT = 1.3e-5      # the simulator judging a plan, per event
-    PER_HARMONY_EVENT = 6e-6  # Harmony's search: per event its candidates' simulations play (measured 5-11 us) ...
-    PER_PACKING = 5e-6      # ... and its packing heuristics, per candidate and layer
+    PER_PARTITION = 0.03    # the packings that minimise the largest pack (search.partitioned), besides
+                            # PER_START per task they evaluate
+    PER_STEP = 5.5e-5       # a local-search step: fixed part ...
+    PER_TASK = 2.5e-6       # ... and per task of the evaluated sequence
+    PER_SIMULATION = 3e-3   # the simulator judging a plan: fixed part (the task graph, the checks) ...
+    PER_EVENT = 2.4e-5      # ... and per event
+    PER_HARMONY_EVENT = 1.2e-5  # Harmony's simulator (--cost-model harmony), per event it plays
+    PER_PACKING = 6.5e-6    # Harmony's search: its packing heuristics, per candidate and layer
     PER_MODEL_ROW = 9e-5    # building a CP-SAT model and completing its hint, per Boolean
     PER_SOLVE = 0.05        # CP-SAT's start-up, which its deterministic clock barely counts
     PER_TIMELINE_EVENT = 2.5e-4  # the timeline model, per event, besides its time limit
+
+    @staticmethod
+    def dp(tasks: Tasks) -> float:
+        """One DP over ``tasks`` (dp.solve_chain)."""
+        return Budget.PER_DP + Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks)
+
+    @staticmethod
+    def simulation(events: int, cost_model: str = "default") -> float:
+        """One simulation that played ``events`` events."""
+        if cost_model == "harmony":
+            return Budget.PER_HARMONY_EVENT * events
+        return Budget.PER_SIMULATION + Budget.PER_EVENT * events
 
     def __init__(self, total: float, wall: float | None = None):
         self.total, self.used = float(total), 0.0
@@ -793,6 +819,7 @@ class _Search:
     host_error: InfeasibleError | None = None   # the least host memory overrun of a plan judged
     host_blocked: list = dataclasses.field(default_factory=list)   # configurations without a plan that fits
     pool: concurrent.futures.Executor | None = None    # other processes (_processes), or None
+    events: dict = dataclasses.field(default_factory=dict)    # plan decisions -> events its simulation played
 
     @property
     def options(self) -> bool:          # per-pack options searched at all
@@ -824,9 +851,17 @@ class _Search:
         """Work seconds to keep for the timeline model of ``plan_``: its size, plus a short search."""
         if self.timeline_share <= 0:
             return 0.0
-        events = simulate(plan_, self.profile, self.hw, with_timeline=False).meta["events"]
+        events = self.events_of(plan_)
         short = max(0.3, 0.1 * timeline_slowness(events))
         return min(0.3 * self.budget.total, Budget.PER_TIMELINE_EVENT * events + short)
+
+    def events_of(self, plan_: Plan) -> int:
+        """The events the simulator plays for ``plan_``: remembered from its judging, else counted (the
+        simulator's expansion, without playing it)."""
+        key = _decisions(plan_)
+        if key not in self.events:
+            self.events[key] = count_events(plan_, self.profile, self.hw)
+        return self.events[key]
 
     def tasks(self, cfg: Config, stash: bool = False, cuts=None, keep=(), per_start: int = MAX_ARCS_PER_START
               ) -> Tasks:
@@ -847,8 +882,9 @@ class _Search:
         """Simulated iteration time (inf if the simulator rejects the plan), charged to the budget by
         the events the simulator played; ``result``: ``played``'s, where another process simulated."""
         t, events = played(plan_, self.profile, self.hw, self.opts.cost_model) if result is None else result
-        harmony = self.opts.cost_model == "harmony"
-        self.budget.spend((Budget.PER_HARMONY_EVENT if harmony else Budget.PER_EVENT) * events)
+        self.budget.spend(Budget.simulation(events, self.opts.cost_model))
+        if events and self.opts.cost_model == "default":
+            self.events[_decisions(plan_)] = events
         return t if math.isinf(t) or self.fits_host(plan_) else float("inf")
 
     def fits_host(self, plan_: Plan) -> bool:
@@ -890,6 +926,11 @@ class _Search:
 _FORKED: _Search | None = None      # in a process of _processes: the search it was forked from
 
 
+def _decisions(p: Plan) -> tuple:
+    """What the simulator plays of a plan."""
+    return (p.mode, p.gpus, p.microbatch_fwd, p.microbatch_bwd, p.packs_fwd, p.packs_bwd, p.options, p.gpu_handoff)
+
+
 def _forked(S: _Search) -> None:
     global _FORKED
     _FORKED = S
@@ -902,8 +943,8 @@ def _play(plan_: Plan) -> tuple[float, int]:
 
 @contextlib.contextmanager
 def _processes(S: _Search):
-    """``S.opts.processes`` processes for the first solutions, the local search and the simulator's
-    descent, forked from this one (so they start in milliseconds and hold the profile without
+    """``S.opts.processes`` processes for Harmony's hint, the first solutions, the local search and the
+    simulator's descent, forked from this one (so they start in milliseconds and hold the profile without
     unpickling it), as ``S.pool``; None for one process. The search is pure Python: only processes
     run two parts of it at once. Each step takes their results in the order one process would
     compute them, so the plan does not depend on ``processes``. Linux only (forking a process with
@@ -928,11 +969,14 @@ def _harmony(S: _Search) -> Plan | None:
         try:
             packing = "all" if S.opts.harmony_space else "published"
             hp = plan_harmony(S.profile, S.hw, S.batch, S.cap, mode=mode, gpus=S.opts.gpus or S.hw.gpus,
-                              packing_fwd=packing, packing_bwd=packing, cost_model=S.opts.cost_model)
+                              packing_fwd=packing, packing_bwd=packing, cost_model=S.opts.cost_model,
+                              play_many=None if S.pool is None else functools.partial(S.pool.map, _play))
         except HarmonyOptError:
             continue
-        S.budget.spend(Budget.PER_HARMONY_EVENT * hp.stats["events_simulated"]
-                       + Budget.PER_PACKING * hp.stats["configs_evaluated"] * S.profile.num_layers)
+        # its candidates' simulations, by the cost model's simulator, and its packing work
+        per_event = Budget.PER_EVENT if S.opts.cost_model == "default" else Budget.PER_HARMONY_EVENT
+        S.budget.spend(per_event * hp.stats["events_simulated"] + hp.stats["configs_evaluated"]
+                       * (Budget.PER_SIMULATION + Budget.PER_PACKING * S.profile.num_layers))
         if hp.simulated_iteration_time_s is not None and (
                 best is None or hp.simulated_iteration_time_s < best.simulated_iteration_time_s):
             best = hp
@@ -944,9 +988,9 @@ def _harmony(S: _Search) -> Plan | None:
 
 def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, stats: dict):
     """Step 2: a first solution per configuration in bound order (``ordered``: (configuration,
-    bound) pairs, ``total`` of them), until the bound reaches the best model value (the rest is
-    pruned) or the budget share runs out. Returns (candidates, the least bound of the
-    configurations not reached).
+    bound, bounds computed so far) triples, ``total`` of them), until the bound reaches the best model
+    value (the rest is pruned) or the budget share runs out. Returns (candidates, the least bound of
+    the configurations not reached).
 
     With other processes (S.pool), the next configurations' first solutions are computed ahead,
     one per process, as in ``_first_ahead``; each is charged and checked here in order as if it
@@ -954,6 +998,7 @@ def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, st
     hint_cfg = None if incumbent is None else Config.of(incumbent)
     found, best_value = [], float("inf")
     stream, queued, ahead = iter(ordered), collections.deque(), {}
+    charged = 0
     for i in range(total):
         while S.pool is not None and len(queued) <= S.opts.processes:      # the next ones, ahead
             item = next(stream, None)
@@ -965,7 +1010,9 @@ def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, st
         item = queued.popleft() if queued else next(stream, None)
         if item is None:
             break
-        cfg, cfg_bound = item
+        cfg, cfg_bound, computed = item
+        S.budget.spend(Budget.PER_BOUND * (computed - charged))     # where it is taken, not read ahead
+        charged = computed
         if cfg_bound >= best_value:
             stats["pruned"] += total - i
             break
@@ -1070,7 +1117,7 @@ def _first_solution(S: _Search, tasks: Tasks, hint):
     back, which can only add); the best of the hint
     and balanced packs in vPP (search.py), improved later."""
     if tasks.cfg.ranks == 1:
-        S.budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
+        S.budget.spend(Budget.dp(tasks))
         r = dp.solve_chain(tasks)
         if r is None:
             return None
@@ -1085,7 +1132,7 @@ def _first_solution(S: _Search, tasks: Tasks, hint):
 
 def _afford_dp(S: _Search, tasks: Tasks) -> bool:
     """Charge one more DP over ``tasks``; whether the budget has some left."""
-    S.budget.spend(Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks))
+    S.budget.spend(Budget.dp(tasks))
     return S.budget.left() > 0
 
 
@@ -1108,8 +1155,7 @@ def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
     for kept in [k for k, todo in ((False, not c.tight), (True, floor and not c.tight_floor)) if todo]:
         tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=S.stash(c.cfg),
                             cuts=c.tasks.cuts, gpu_handoff=kept)
-        S.budget.spend(Budget.PER_ROW * len(tasks.table) + Budget.PER_NODE * 2 * tasks.num_layers
-                       + Budget.PER_PAIR * dp.pairs(tasks))
+        S.budget.spend(Budget.PER_ROW * len(tasks.table) + Budget.dp(tasks))
         r = dp.solve_chain(tasks, relax_stash=True)
         if r is not None and tasks.host_budget is not None:     # the Lagrangian bound of the host budget
             r = dp.within_host(tasks, r, lambda: _afford_dp(S, tasks), steps=3, relax_stash=True)
@@ -1125,14 +1171,15 @@ def _tighten(S: _Search, c: _Candidate, floor: bool = False) -> None:
 
 def _local_search(S: _Search, found: list[_Candidate]) -> None:
     """Local search on the three most promising vPP configurations (a chain's DP solution is optimal),
-    and on the one of lowest bound if it is not among them: a first solution rates a configuration
+    after the one of lowest bound if it is not among them: a first solution rates a configuration
     of few microbatches far above what its packs can reach (resnet1026 D=64 vPP x4 u=16/16: first
-    4.0 s, fourth of the vPP configurations, 3.75 s after the search; its bound is the lowest)."""
+    4.0 s, fourth of the vPP configurations, 3.75 s after the search; its bound is the lowest, and
+    the space's gap rests on it)."""
     vpp = sorted((c for c in found if c.cfg.ranks > 1), key=lambda c: (c.value, str(c.cfg)))
     steps = 2000 if S.opts.time_limit >= 5 else 600
     lowest = min(vpp, key=lambda c: (c.bound, str(c.cfg)), default=None)
     extra = [lowest] if lowest is not None and all(lowest is not c for c in vpp[:3]) else []
-    todo = vpp[:3] + extra
+    todo = extra + vpp[:3]      # the lowest bound first: the budget may not reach the fourth
     # and from the packs that minimise the largest pack (search.partitioned): where the model rates
     # that better, the first solution stays a candidate too, and the simulator judges both. Not
     # under Harmony's cost model, whose simulator the model does not describe: it plays such
@@ -1157,6 +1204,8 @@ def _local_search(S: _Search, found: list[_Candidate]) -> None:
             if start < c.value and S.budget.left(0.6) > 0:  # only where it starts ahead: the descent
                 value, seq, spent, tasks = next(parts)       # rarely overtakes a better start
                 S.budget.spend(spent)
+                if isinstance(tasks, str):      # _REBUILD: built and charged in the other process
+                    tasks = _every_boundary(dataclasses.replace(S, budget=_Tally(S.budget.total), pool=None), c)[0]
                 if value < c.value:
                     found.append(dataclasses.replace(c))
                     c.tasks, c.value, c.seq, c.how = tasks, value, seq, "search"
@@ -1181,15 +1230,23 @@ def _searched(S: _Search, c: _Candidate, steps: int, seed: int, partition: bool)
     tasks, seq = _every_boundary(scratch, c)
     part, work = search.partitioned(tasks, S.profile, *search.partition_grid(tasks, seq))
     start = min(part, key=lambda o: o[0], default=(float("inf"), None))
-    yield scratch.budget.spent + [Budget.PER_START * work], start[0]
+    yield scratch.budget.spent + [Budget.PER_PARTITION + Budget.PER_START * work], start[0]
     if start[0] < c.value:
         value, seq, work = search.improve(tasks, start[1], steps, seed=seed)
         yield value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work, tasks if value < c.value else None
 
 
 def _searched_in_process(c: _Candidate, steps: int, seed: int, partition: bool) -> list:
-    """Every part of ``_searched``, in a process of _processes."""
-    return list(_searched(_FORKED, c, steps, seed, partition))
+    """Every part of ``_searched``, in a process of _processes; the table of every boundary is left
+    for the planner's process to build again where it takes it (``_REBUILD``): sending it back costs
+    more (resnet1026: 250,000 tasks, 35 MB)."""
+    parts = list(_searched(_FORKED, c, steps, seed, partition))
+    if len(parts) == 3 and parts[2][3] is not None:
+        parts[2] = (*parts[2][:3], _REBUILD)
+    return parts
+
+
+_REBUILD = "rebuild"
 
 
 def _every_boundary(S: _Search, c: _Candidate) -> tuple[Tasks, list]:
@@ -1447,8 +1504,8 @@ def _polish(S: _Search, c: _Candidate, plan_: Plan, t_best: float, found: list[_
 def timeline_slowness(events: int) -> float:
     """Wall seconds per deterministic second of CP-SAT on the timeline model of ``events`` events, as
     the budget counts them: measured 0.4-1.3 at 500-1,500 events, 3.8 at 9,900 (vPP on 4 GPUs) and
-    11 at 7,900 (vDP on 8)."""
-    return max(1.0, events / 1000)
+    11 at 7,900 (vDP on 8) in session 22; 2.5-3.0 at 174-2,092 events in a slow hour of session 29."""
+    return max(2.5, events / 1000)
 
 
 def _timeline(S: _Search, plan_: Plan) -> dict | None:
@@ -1458,7 +1515,7 @@ def _timeline(S: _Search, plan_: Plan) -> dict | None:
     reports on the plan."""
     if S.timeline_share <= 0:
         return None
-    events = simulate(plan_, S.profile, S.hw, with_timeline=False).meta["events"]
+    events = S.events_of(plan_)
     slow = timeline_slowness(events)
     limit = min(1.0, 0.1 * S.opts.time_limit, (S.budget.left() - Budget.PER_TIMELINE_EVENT * events) / slow)
     if limit < 0.05:
@@ -1467,7 +1524,8 @@ def _timeline(S: _Search, plan_: Plan) -> dict | None:
     limits = S.budget.cp_sat_limits(limit)
     if limits["wall_limit"] is not None:        # the model's building counts against the wall too
         limits["wall_limit"] = max(0.05, limits["wall_limit"] - Budget.PER_TIMELINE_EVENT * events)
-    tr = solve_timeline(plan_, S.profile, S.hw, **limits, seed=S.opts.seed, workers=S.opts.workers, report=S.say)
+    tr = solve_timeline(plan_, S.profile, S.hw, **limits, seed=S.opts.seed, workers=S.opts.workers, report=S.say,
+                        rel_gap=TIMELINE_REL_GAP)
     S.budget.solved(tr.status, tr.wall_time, limits)
     return {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "gap": tr.gap,
             "events": tr.events, "wall_time_s": tr.wall_time}
@@ -1530,25 +1588,31 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     t_start = time.perf_counter()
     S = _Search(profile, hw, batch, int(memory_cap or hw.gpu_memory_bytes), opts,
                 # the rest: the report, and what the charges miss
-                Budget(0.95 * opts.time_limit, None if opts.wall_limit is None else 0.9 * opts.wall_limit),
+                Budget(0.9 * opts.time_limit, None if opts.wall_limit is None else 0.9 * opts.wall_limit),
                 report or (lambda s: None),
                 {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()},
                 host_check=may_bind(profile, hw, batch))
-    incumbent = _harmony(S) if opts.hint else None
-    harmony_t = incumbent.simulated_iteration_time_s if incumbent is not None else None
-
-    # 1. configurations in the order of their cheap bound, the hint's first (its value prunes early);
-    # the bound is computed for those the search reaches (in_bound_order), charged for all as before
-    configs = configurations(profile, hw, batch, opts)
-    S.budget.spend(Budget.PER_BOUND * len(configs))
-    floor = {c: compute_floor(profile, hw, batch, c, S.cap, S.stash(c)) for c in configs}
-    configs = [c for c in configs if np.isfinite(floor[c])]
-    ordered = in_bound_order(configs, floor, lambda c: config_bound(profile, hw, batch, c, S.cap, S.stash(c)),
-                             None if incumbent is None else Config.of(incumbent))
-    S.say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound")
-    stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
-
     with _processes(S):
+        incumbent = _harmony(S) if opts.hint else None
+        harmony_t = incumbent.simulated_iteration_time_s if incumbent is not None else None
+
+        # 1. configurations in the order of their cheap bound, the hint's first (its value prunes early);
+        # the bound is computed for those the search reaches (in_bound_order), each with the number of
+        # bounds computed up to it, which _first_solutions charges as it takes them
+        configs = configurations(profile, hw, batch, opts)
+        S.budget.spend(Budget.PER_FLOOR * len(configs))
+        floor = {c: compute_floor(profile, hw, batch, c, S.cap, S.stash(c)) for c in configs}
+        configs = [c for c in configs if np.isfinite(floor[c])]
+        computed = [0]
+
+        def bound(c: Config) -> float:
+            computed[0] += 1
+            return config_bound(profile, hw, batch, c, S.cap, S.stash(c))
+        ordered = ((c, b, computed[0]) for c, b in in_bound_order(configs, floor, bound,
+                                                                  None if incumbent is None else Config.of(incumbent)))
+        S.say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound")
+        stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
+
         found, open_bound = _first_solutions(S, ordered, len(configs), incumbent, stats)   # 2
         if not found and incumbent is None:
             raise S.infeasible()

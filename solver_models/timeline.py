@@ -87,9 +87,10 @@ def reservations(ev) -> list[tuple[int, bool, int, int]]:
 
 
 def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: float = 5.0, seed: int = 0,
-                   workers: int = 1, report=None, wall_limit: float | None = None) -> TimelineResult:
+                   workers: int = 1, report=None, wall_limit: float | None = None,
+                   rel_gap: float = 1e-3) -> TimelineResult:
     """Schedule ``plan``'s events optimally (up to ``time_limit`` deterministic seconds and, if given,
-    ``wall_limit`` wall-clock seconds)."""
+    ``wall_limit`` wall-clock seconds; stopping within ``rel_gap`` of the bound)."""
     t0 = time.perf_counter()
     plan.check_against(profile, hw)
     cap = int(plan.memory_cap or hw.gpu_memory_bytes)
@@ -146,7 +147,7 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     m.minimize(T)
     # precedences and cumulative propagation give the bound, the LP only costs time; closing the
     # last 0.1 % can take seconds of wall time
-    solver = cpsat.solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=1e-3, wall_limit=wall_limit,
+    solver = cpsat.solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=rel_gap, wall_limit=wall_limit,
                           linearization_level=0)
     status = solver.solve(m)
     name = solver.status_name(status)

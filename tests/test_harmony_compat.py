@@ -266,6 +266,27 @@ def test_score_callable_replaces_simulator(bert96):
     assert res.best.time == min(value(p) for p in seen) and res.best.memory is None
 
 
+def test_scoring_every_candidate_at_once_ranks_as_one_by_one(bert96):
+    """``score_many`` (the planner's processes) gets each distinct candidate once, and the search
+    ranks them as with ``score``."""
+    def value(plan):
+        return float(plan.microbatch_fwd * 7 % 5 + len(plan.packs_fwd) + plan.microbatch_bwd / 10)
+
+    batches = []
+
+    def score_many(plans):
+        batches.append(plans)
+        return [value(p) for p in plans]
+    one = harmony_search(bert96, 32, 2, "vPP", CAP10, score=value, topk=-1, rank_fit_normally=True)
+    many = harmony_search(bert96, 32, 2, "vPP", CAP10, score_many=score_many, topk=-1, rank_fit_normally=True)
+    assert len(batches) == 1
+    idents = [(p.microbatch_fwd, p.packs_fwd, p.microbatch_bwd, p.packs_bwd) for p in batches[0]]
+    distinct = {(c.u_fwd, c.packs_fwd, c.u_bwd, c.packs_bwd) for c in one.candidates}
+    assert len(idents) == len(set(idents)) == len(distinct)
+    assert [(c.time, c.u_fwd, c.u_bwd) for c in many.candidates] == [(c.time, c.u_fwd, c.u_bwd) for c in one.candidates]
+    assert many.settings["scored_by"] == "custom"
+
+
 def test_infeasible_names_layer_size_and_cap(bert96):
     with pytest.raises(InfeasibleError) as e:
         harmony_search(bert96, 32, 2, "vPP", 2 * 10**8)

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from harmony_opt import PlanError, get_hardware, load_profile
 from harmony_opt.plan import PackOptions, Plan, data_shares
-from harmony_opt.simulator import _Expansion, check_memory, simulate, tasks_of
+from harmony_opt.simulator import _Expansion, check_memory, count_events, simulate, tasks_of
 from harmony_opt.taskgraph import SOURCE_TENSOR, Medium, TaskKind, Tensor, link_bytes, task_graph
 
 from conftest import synthetic_profile
@@ -188,6 +188,8 @@ def test_timeline_respects_task_graph_streams_and_bytes(case):
     quick = simulate(plan, prof, hw, memory_cap=cap, with_timeline=False)
     assert quick.iteration_time == tl.iteration_time
     assert quick.meta["bytes"] == tl.bytes_moved()
+    assert quick.events.empty and quick.peak_memory() == tl.peak_memory()
+    assert quick.meta["events"] == count_events(plan, prof, hw) == len(sim.events)
 
 
 @settings(max_examples=60, deadline=None)

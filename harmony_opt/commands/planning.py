@@ -38,9 +38,9 @@ def register(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1, help="CP-SAT workers (results depend on seed and workers only)")
     p.add_argument("--processes", type=int, default=None,
-                   help="processes for the first solutions, local search and simulator descent: the same "
-                        "plan for any N, sooner (2 on 2 cores: 0.6-0.9x the wall time of 1); default: the "
-                        "cores this process may use, at most 4")
+                   help="processes for Harmony's hint, the first solutions, local search and simulator "
+                        "descent: the same plan for any N, sooner (2 on 2 cores: 0.6-0.9x the wall time of 1); "
+                        "default: the cores this process may use, at most 4")
     p.add_argument("--no-hint", action="store_true", help="do not warm-start from Harmony's search")
     p.add_argument("--harmony-space", action="store_true",
                    help="restrict to Harmony's decisions (u_fwd >= u_bwd, sizes dividing D, recompute, CPU optimizer)")
