@@ -1016,7 +1016,7 @@ def _first_solutions(S: _Search, ordered, total: int, incumbent: Plan | None, st
         if cfg_bound >= best_value:
             stats["pruned"] += total - i
             break
-        if S.budget.left(0.45) <= 0:
+        if S.budget.left(0.45) <= 0 and found:     # at least one, where the hint took the share
             stats["out_of_budget"] += total - i
             _drop(ahead)
             return found, cfg_bound
