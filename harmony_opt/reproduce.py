@@ -299,7 +299,7 @@ class CompareCell:
     model: str
     batch: int
     gpus: int
-    time_limit: float = 3.0
+    time_limit: float = 5.0
     baseline_budget: int = BASELINE_BUDGET     # max batch x layers for naive-swap and l2l; 0: no limit
     keep_timelines: bool = False
 
