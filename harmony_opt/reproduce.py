@@ -642,7 +642,7 @@ def scaling_row(name: str, time_limit: float, batch: int = TABLE1_BATCH, gpus: i
     return row
 
 
-def scaling(time_limit: float = 20.0, models=SCALING_MODELS) -> pd.DataFrame:
+def scaling(time_limit: float = 35.0, models=SCALING_MODELS) -> pd.DataFrame:
     rows = []
     for name in models:
         row = scaling_row(name, time_limit)
