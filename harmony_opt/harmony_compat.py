@@ -1056,8 +1056,8 @@ def harmony_search(profile, batch: int, gpus: int, mode: str, memory_cap,
     memo: dict[tuple, tuple[float, int | None]] = {}
     events = 0
     if score is not None or score_many is not None:
-        plans = {(u_fwd, pf, u_bwd, pb): None for u_fwd, pf, u_bwd, pb, _, _ in candidates}
-        plans = {k: _candidate_plan(*k, batch, gpus, mode, R, int(memory_cap), prof_info) for k in plans}
+        plans = {k: _candidate_plan(*k, batch, gpus, mode, R, int(memory_cap), prof_info)
+                 for k in dict.fromkeys(c[:4] for c in candidates)}      # each distinct one, in order
         times = score_many(list(plans.values())) if score_many is not None else map(score, plans.values())
         memo = {k: (float(t), None) for k, t in zip(plans, times)}
     for u_fwd, pf, u_bwd, pb, mth_f, mth_b in candidates:

@@ -863,11 +863,11 @@ class _Search:
             self.events[key] = count_events(plan_, self.profile, self.hw)
         return self.events[key]
 
-    def tasks(self, cfg: Config, stash: bool = False, cuts=None, keep=(), per_start: int = MAX_ARCS_PER_START
-              ) -> Tasks:
+    def tasks(self, cfg: Config, stash: bool = False, cuts=None, keep=(), per_start: int = MAX_ARCS_PER_START,
+              gpu_handoff: bool = False) -> Tasks:
         tasks = build_tasks(self.profile, self.hw, self.batch, cfg, self.cap, gpu_opt=self.options, stash=stash,
                             cuts=candidate_cuts(self.profile, cfg.u_bwd, keep=keep) if cuts is None else cuts,
-                            per_start=per_start)
+                            per_start=per_start, gpu_handoff=gpu_handoff)
         self.budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
         return tasks
 
@@ -1204,9 +1204,9 @@ def _local_search(S: _Search, found: list[_Candidate]) -> None:
             if start < c.value and S.budget.left(0.6) > 0:  # only where it starts ahead: the descent
                 value, seq, spent, tasks = next(parts)       # rarely overtakes a better start
                 S.budget.spend(spent)
-                if isinstance(tasks, str):      # _REBUILD: built and charged in the other process
-                    tasks = _every_boundary(dataclasses.replace(S, budget=_Tally(S.budget.total), pool=None), c)[0]
                 if value < c.value:
+                    if tasks is None:   # built and charged in the other process, which did not send it
+                        tasks = _every_boundary(dataclasses.replace(S, budget=_Tally(S.budget.total), pool=None), c)[0]
                     found.append(dataclasses.replace(c))
                     c.tasks, c.value, c.seq, c.how = tasks, value, seq, "search"
         S.say(f"local search {c.cfg}: model {c.value:.4f} s (bound {c.bound:.4f})")
@@ -1233,20 +1233,17 @@ def _searched(S: _Search, c: _Candidate, steps: int, seed: int, partition: bool)
     yield scratch.budget.spent + [Budget.PER_PARTITION + Budget.PER_START * work], start[0]
     if start[0] < c.value:
         value, seq, work = search.improve(tasks, start[1], steps, seed=seed)
-        yield value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work, tasks if value < c.value else None
+        yield value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work, tasks
 
 
 def _searched_in_process(c: _Candidate, steps: int, seed: int, partition: bool) -> list:
-    """Every part of ``_searched``, in a process of _processes; the table of every boundary is left
-    for the planner's process to build again where it takes it (``_REBUILD``): sending it back costs
+    """Every part of ``_searched``, in a process of _processes, but the table of every boundary, which
+    the planner's process builds again where it takes the descent's result: sending it back costs
     more (resnet1026: 250,000 tasks, 35 MB)."""
     parts = list(_searched(_FORKED, c, steps, seed, partition))
-    if len(parts) == 3 and parts[2][3] is not None:
-        parts[2] = (*parts[2][:3], _REBUILD)
+    if len(parts) == 3:
+        parts[2] = (*parts[2][:3], None)
     return parts
-
-
-_REBUILD = "rebuild"
 
 
 def _every_boundary(S: _Search, c: _Candidate) -> tuple[Tasks, list]:
@@ -1371,9 +1368,7 @@ def _handoff_chains(S: _Search, c: _Candidate, plan_: Plan, t_best: float) -> tu
     (vgg416, D=64, vDP on 4 GPUs, u=8/16: 8.109 s found before; these chains play in 8.08-8.24 s, and
     the simulator's descent from the fastest reaches 8.011 s within the budget). Updates ``c`` where
     one is faster."""
-    tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=False, cuts=c.tasks.cuts,
-                        gpu_handoff=True)
-    S.budget.spend(Budget.PER_CONFIG + Budget.PER_ROW * len(tasks.table))
+    tasks = S.tasks(c.cfg, cuts=c.tasks.cuts, gpu_handoff=True)
     d = tasks.ticks()
     bwd = d["backward"].astype(bool)
     terms = {"forward in": np.where(bwd, 0, d["link_in"]), "forward out": d["link_out_fwd"],

@@ -143,7 +143,8 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     floor = _floor_ticks(ev, queues, ticks, links.values(), slots)
     T = m.new_int_var(min(floor, horizon), horizon, "makespan")
     m.add_max_equality(T, end)
-    m.add_hint(T, max(ticks(e.start) + ticks(e.duration) for e in ev))
+    hinted = max(ticks(e.start) + ticks(e.duration) for e in ev)
+    m.add_hint(T, hinted)
     m.minimize(T)
     # precedences and cumulative propagation give the bound, the LP only costs time; closing the
     # last 0.1 % can take seconds of wall time
@@ -157,7 +158,6 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     if status == cp_model.UNKNOWN:
         # out of time before CP-SAT took up its hint (a wall limit, thousands of events): the hint is a
         # schedule of the model all the same, and the floor a bound on every one
-        hinted = max(ticks(e.start) + ticks(e.duration) for e in ev)
         if report:
             report(f"timeline: {len(ev)} events, CP-SAT {name.lower()} in its time: the simulator's schedule "
                    f"{hinted / SCALE:.4f} s (bound {floor / SCALE:.4f} s)")
