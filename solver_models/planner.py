@@ -1523,7 +1523,8 @@ def _timeline(S: _Search, plan_: Plan) -> dict | None:
                         rel_gap=TIMELINE_REL_GAP)
     S.budget.solved(tr.status, tr.wall_time, limits)
     return {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "gap": tr.gap,
-            "events": tr.events, "wall_time_s": tr.wall_time}
+            "order_bound": tr.order_bound_s, "order_gap": tr.order_gap, "events": tr.events,
+            "wall_time_s": tr.wall_time}
 
 
 def _space_bound(S: _Search, found: list[_Candidate], open_bound: float, most: int = 64) -> float:

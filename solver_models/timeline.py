@@ -20,6 +20,11 @@ The simulator's own schedule is a feasible solution and is given as the hint, so
 optimum is never later than the simulated time; the difference is how much a smarter
 dispatcher than the simulator's greedy one could gain, and the bound proves how much
 no dispatcher can.
+
+The order inside the transfer streams is Harmony's rule (``ORDER_FREE``). ``order_bound_s``
+proves how much any other order could gain: the same floor with those streams' order left free.
+``order="free"`` lets CP-SAT choose that order too (``NoOverlap`` per stream): a measurement
+(benchmarks/bench_swap_order.py), since a Plan carries no order of its own.
 """
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ from . import cpsat
 
 SCALE = 1e6   # seconds -> integer microseconds (the timeline model keeps event times exact to 1 us)
 
+#: The streams whose order Harmony fixes by rule (transfers, and the bookkeeping of freed memory), as
+#: against the compute and CPU streams, whose order is the plan's task order
+ORDER_FREE = ("swap_in_w", "swap_in", "swap_out", "p2p", "free")
+
 #: TimelineResult.status where CP-SAT found no schedule in its time: the result is the simulator's
 #: schedule (the hint, feasible for the model) against the model's floor (``_floor_ticks``)
 HINT = "SIMULATOR_SCHEDULE"
@@ -55,12 +64,21 @@ class TimelineResult:
     events: int
     wall_time: float
     starts: list                 # start time (s) of every event, in the simulator's event order
+    order_bound_s: float = float("nan")   # no schedule in any order of the ORDER_FREE streams ends sooner
 
     @property
     def gap(self) -> float | None:
+        return self._gap(self.bound_s)
+
+    @property
+    def order_gap(self) -> float | None:
+        """What another order of the transfers could gain at most, as a share of the makespan."""
+        return self._gap(self.order_bound_s)
+
+    def _gap(self, bound: float) -> float | None:
         if self.makespan_s is None or self.makespan_s <= 0:
             return None
-        return max(0.0, (self.makespan_s - self.bound_s) / self.makespan_s)
+        return max(0.0, (self.makespan_s - bound) / self.makespan_s)
 
 
 def reservations(ev) -> list[tuple[int, bool, int, int]]:
@@ -88,9 +106,13 @@ def reservations(ev) -> list[tuple[int, bool, int, int]]:
 
 def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: float = 5.0, seed: int = 0,
                    workers: int = 1, report=None, wall_limit: float | None = None,
-                   rel_gap: float = 1e-3) -> TimelineResult:
+                   rel_gap: float = 1e-3, order: str = "fixed", hint: list[float] | None = None) -> TimelineResult:
     """Schedule ``plan``'s events optimally (up to ``time_limit`` deterministic seconds and, if given,
-    ``wall_limit`` wall-clock seconds; stopping within ``rel_gap`` of the bound)."""
+    ``wall_limit`` wall-clock seconds; stopping within ``rel_gap`` of the bound). ``order="free"``: the
+    order inside the ``ORDER_FREE`` streams is CP-SAT's to choose as well. ``hint``: start times of a
+    schedule of the model (another result's ``starts``) to start from instead of the simulator's."""
+    if order not in ("fixed", "free"):
+        raise ValueError(f"order must be 'fixed' or 'free', not {order!r}")
     t0 = time.perf_counter()
     plan.check_against(profile, hw)
     cap = int(plan.memory_cap or hw.gpu_memory_bytes)
@@ -104,6 +126,7 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     # floors keep the simulator's schedule feasible in integer time: floor(a + b) >= floor(a) + floor(b)
     ticks = lambda s: int(math.floor(s * SCALE))  # noqa: E731
     horizon = ticks(simulated) + 1
+    at = [ticks(e.start) for e in ev] if hint is None else [round(h * SCALE) for h in hint]   # the hint
     m = cp_model.CpModel()
     start, end, iv = [], [], []
     for k, e in enumerate(ev):
@@ -112,15 +135,20 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
         start.append(s)
         end.append(s + d)
         iv.append(m.new_fixed_size_interval_var(s, d, f"i{k}"))
-        m.add_hint(s, ticks(e.start))
+        m.add_hint(s, at[k])
     for k, e in enumerate(ev):
         for d in e.deps:
             m.add(start[k] >= end[d])
         for d in e.start_deps:
             m.add(start[k] >= start[d])
-    for q in queues.values():                  # FIFO per stream
+    by_plan = {k: q for k, q in queues.items() if k[1] not in ORDER_FREE}     # compute and CPU: the task order
+    ordered = queues if order == "fixed" else by_plan
+    for q in ordered.values():                 # FIFO per stream
         for a, b in zip(q, q[1:]):
             m.add(start[b] >= end[a])
+    for key, q in queues.items():              # else one transfer at a time, in any order
+        if key not in ordered and key[1] != "free" and len(q) > 1:
+            m.add_no_overlap([iv[k] for k in q])
     links = link_resources(ev, hw)
     slots = hw.link_slots if hw.shared_host_link else 1
     for ks in links.values():
@@ -132,18 +160,20 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
         first = start[a] if a_starts else end[a]
         size = m.new_int_var(0, horizon, f"hold{a}_{k}")
         m.add(size == end[k] - first)
-        m.add_hint(size, ticks(ev[k].start) + ticks(ev[k].duration)
-                   - (ticks(ev[a].start) + (0 if a_starts else ticks(ev[a].duration))))
+        m.add_hint(size, at[k] + ticks(ev[k].duration) - (at[a] + (0 if a_starts else ticks(ev[a].duration))))
         held[ev[k].rank].append((m.new_interval_var(first, size, end[k], f"h{a}_{k}"), nbytes))
     for rank, items in held.items():
         if sum(b for _, b in items) > cap:
             m.add_cumulative([i for i, _ in items], [int(b) for _, b in items], cap)
     # no schedule of these events ends before floor (precedences, streams, the link as one machine):
     # stated, it lets CP-SAT stop as soon as the hint is within its gap of it
-    floor = _floor_ticks(ev, queues, ticks, links.values(), slots)
+    floor = _floor_ticks(ev, queues, ticks, links.values(), slots, ordered)
+    # the same with the transfers in any order: no order of them beats it
+    order_floor = floor if order == "free" else _floor_ticks(ev, queues, ticks, links.values(), slots, by_plan)
+    order_bound = order_floor / SCALE
     T = m.new_int_var(min(floor, horizon), horizon, "makespan")
     m.add_max_equality(T, end)
-    hinted = max(ticks(e.start) + ticks(e.duration) for e in ev)
+    hinted = max(h + ticks(e.duration) for h, e in zip(at, ev))
     m.add_hint(T, hinted)
     m.minimize(T)
     # precedences and cumulative propagation give the bound, the LP only costs time; closing the
@@ -154,7 +184,7 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     name = solver.status_name(status)
     wall = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):      # a bug, not the time
-        return TimelineResult(name, None, float("nan"), simulated, len(ev), wall, [])
+        return TimelineResult(name, None, float("nan"), simulated, len(ev), wall, [], order_bound)
     if status == cp_model.UNKNOWN:
         # out of time before CP-SAT took up its hint (a wall limit, thousands of events): the hint is a
         # schedule of the model all the same, and the floor a bound on every one
@@ -162,15 +192,17 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
             report(f"timeline: {len(ev)} events, CP-SAT {name.lower()} in its time: the simulator's schedule "
                    f"{hinted / SCALE:.4f} s (bound {floor / SCALE:.4f} s)")
         return TimelineResult(HINT, hinted / SCALE, floor / SCALE, simulated, len(ev), wall,
-                              [ticks(e.start) / SCALE for e in ev])
+                              [h / SCALE for h in at], order_bound)
     # a search stopped by its budget before propagating may report a bound of 0; the floor holds for
     # every schedule of these events all the same
     bound = max(solver.best_objective_bound, floor)
     if report:
         report(f"timeline: {len(ev)} events, CP-SAT {name.lower()} {solver.objective_value / SCALE:.4f} s "
                f"(bound {bound / SCALE:.4f} s), simulator {simulated:.4f} s")
+    if order == "free":             # CP-SAT's bound holds for every order
+        order_bound = bound / SCALE
     return TimelineResult(name, solver.objective_value / SCALE, bound / SCALE, simulated,
-                          len(ev), wall, [solver.value(s) / SCALE for s in start])
+                          len(ev), wall, [solver.value(s) / SCALE for s in start], order_bound)
 
 
 def link_resources(ev, hw: Hardware) -> dict:
@@ -183,12 +215,13 @@ def link_resources(ev, hw: Hardware) -> dict:
     return links
 
 
-def _floor_ticks(ev, queues, ticks, links=(), slots: int = 1) -> int:
+def _floor_ticks(ev, queues, ticks, links=(), slots: int = 1, ordered=None) -> int:
     """The makespan no schedule of ``ev`` beats: the longest path through the model's precedences
-    (dependencies, prefetch start links, each stream's order), the busiest stream's total, and each
-    link's one-machine bound (``one_machine_bound``: its transfers, which the path lets run side by
-    side on different streams and GPUs, queue on it)."""
-    fifo = {b: a for q in queues.values() for a, b in zip(q, q[1:])}     # b starts after a ends
+    (dependencies, prefetch start links, the order of the ``ordered`` streams, by default all), the
+    busiest stream's total, and each link's one-machine bound (``one_machine_bound``: its transfers,
+    which the path lets run side by side on different streams and GPUs, queue on it)."""
+    ordered = queues if ordered is None else ordered
+    fifo = {b: a for q in ordered.values() for a, b in zip(q, q[1:])}    # b starts after a ends
     dur = [ticks(e.duration) for e in ev]
     after_end = [[*e.deps, *([fifo[k]] if k in fifo else [])] for k, e in enumerate(ev)]
     graph = {k: {*after_end[k], *e.start_deps} for k, e in enumerate(ev)}

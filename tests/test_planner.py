@@ -800,6 +800,35 @@ def test_timeline_model_schedules_the_simulated_events_at_least_as_well():
     assert len(r.starts) == r.events
     tl = p.solver["timeline"]
     assert tl["bound"] - 1e-6 <= tl["objective"] <= p.simulated_iteration_time_s + 1e-6
+    # the bound over every order of the transfers is a relaxation of the rule's order
+    assert tl["order_bound"] <= tl["bound"] + 1e-9 and tl["order_gap"] >= tl["gap"] - 1e-9
+
+
+def test_order_bound_holds_for_every_order_of_the_transfers():
+    """Four vDP replicas on one host link: with the order inside each transfer stream free, CP-SAT
+    proves an optimum below the rule order's, by running transfers in another order; the plan's
+    order bound is below that optimum, and the schedule keeps each stream to one transfer at a
+    time and every dependency."""
+    from harmony_opt.simulator import _Expansion
+    from solver_models.timeline import ORDER_FREE, solve_timeline
+    prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
+    p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    fixed = solve_timeline(p, prof, hw, time_limit=10)
+    free = solve_timeline(p, prof, hw, time_limit=10, order="free", hint=fixed.starts)
+    assert fixed.status == free.status == "OPTIMAL"
+    assert fixed.order_bound_s <= free.makespan_s < fixed.makespan_s - 1e-4
+    sim = _Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
+    sim.build()
+    ev, at = sim.events, free.starts
+    ends = [s + e.duration for s, e in zip(at, ev)]
+    assert all(at[k] >= ends[d] - 2e-6 for k, e in enumerate(ev) for d in e.deps)
+    reordered = 0
+    for (_, stream), q in sim.streams.items():
+        if stream in ORDER_FREE and stream != "free":
+            run = sorted(q, key=at.__getitem__)
+            assert all(at[b] >= ends[a] - 2e-6 for a, b in zip(run, run[1:]))
+            reordered += run != q
+    assert reordered
 
 
 @pytest.mark.parametrize("time_limit", [2.0, 20.0])

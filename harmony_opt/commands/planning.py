@@ -143,6 +143,9 @@ def solver_summary(s: dict) -> list[str]:
             f"CP-SAT {t['status'].lower()}"
         out.append(f"timeline model of this plan's events ({source}): {t['objective']:.4f} s, "
                    f"bound {t['bound']:.4f} s, gap {pct(t['gap'])}")
+        if t.get("order_bound") is not None:        # plans saved before it was reported have none
+            out.append(f"bound over every order of the transfers in their streams (the plan keeps Harmony's): "
+                       f"{t['order_bound']:.4f} s, gap {pct(t['order_gap'])}")
     return out
 
 
