@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     df = pd.DataFrame(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "swap_order.csv", index=False)
+    atomic_write_text(out / "swap_order.csv", df.to_csv(index=False))
     cmd = (f"python benchmarks/bench_swap_order.py --plan-limit {args.plan_limit:g} --time-limit {args.time_limit:g}"
            + (f" --only {args.only}" if args.only else ""))
     text = (

@@ -87,8 +87,7 @@ def test_compare_prints_why_a_planner_has_no_plan_in_full(capsys):
 def test_output_path_that_is_a_folder_is_exit_2(capsys, tmp_path):
     rc, out, err = run(capsys, "baseline", "--planner", "l2l", "--profile", "gpt2_medium", "--batch", "8",
                        "--gpus", "2", "-o", str(tmp_path))
-    assert rc == 2 and err == f"harmony-opt: error: cannot write {tmp_path}: is a folder; choose another path " \
-                              f"(a file in a writable folder) or free some space\n"
+    assert rc == 2 and err == f"harmony-opt: error: -o {tmp_path}: is a folder; give a file name such as plan.json\n"
     assert list(tmp_path.iterdir()) == []     # no temporary file left behind
 
 
@@ -111,8 +110,8 @@ def test_a_bad_output_path_fails_before_the_search(capsys, tmp_path, monkeypatch
     a_file.write_text("")
     argv = [x.format(f=a_file) for x in argv]
     rc, _, err = run(capsys, *argv)
-    assert rc == 2 and err == f"harmony-opt: error: cannot write {argv[-1]}: {a_file} is a file, not a folder; " \
-                              f"choose another path (a file in a writable folder) or free some space\n"
+    assert rc == 2 and err == f"harmony-opt: error: {argv[-2]}: cannot write {argv[-1]}: {a_file} is a file, not a " \
+                              f"folder; choose another path (a file in a writable folder) or free some space\n"
 
 
 def test_plan_from_a_profile_folder_says_to_pass_the_profile(capsys, tmp_path, monkeypatch):

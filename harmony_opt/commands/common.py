@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import ProfileError, UsageError
+from ..errors import OutputError, ProfileError, UsageError
+from ..io import check_writable
 
 
 def plan_profile(plan, plan_path, override: str | None):
@@ -41,12 +42,15 @@ def writable_folder(path: str, what: str | None = None) -> Path:
 
 
 def writable_file(path: str, option: str = "-o", example: str = "hardware.toml") -> Path:
-    """An output file's path, checked before the work that writes it: not a folder, in a writable one."""
+    """An output file's path, checked before the work that writes it (io.check_writable), a folder
+    named as the option's mistake."""
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{option} {path}: is a folder; give a file name such as {example}")
-    writable_folder(str(p.parent), f"{option} {path}")
-    return p
+    try:
+        return check_writable(p)
+    except OutputError as e:
+        raise UsageError(f"{option}: {e}") from None
 
 
 def written(save, path, what: str):

@@ -10,10 +10,9 @@ from ..bundled import load_profile
 from ..errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from ..hardware import get_hardware, usable_cores
 from ..host_memory import host_memory
-from ..io import check_writable
 from ..plan import Plan
 from ..units import fmt_bytes
-from .common import plan_profile
+from .common import plan_profile, writable_file
 
 
 def _common(p):
@@ -149,11 +148,12 @@ def solver_summary(s: dict) -> list[str]:
     return out
 
 
-def _outputs(args) -> None:
+def _outputs(args, output_example: str = "plan.json") -> None:
     """Check the output paths before the search: a bad path fails in a second, not after it."""
-    for path in (getattr(args, name, None) for name in ("output", "plot", "trace")):
+    for name, example in (("output", output_example), ("plot", "timeline.png"), ("trace", "trace.json")):
+        path = getattr(args, name, None)
         if path:
-            check_writable(path)
+            writable_file(path, "-o" if name == "output" else f"--{name}", example)
 
 
 def _plan(args):
@@ -311,7 +311,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
 
 def _compare(args):
     profile, hw = _inputs(args)
-    _outputs(args)
+    _outputs(args, "compare.csv")
     df, plans = compare_table(profile, hw, args.batch, args.mode, args.gpus, args.time_limit)
     print(f"{profile.name}, minibatch {args.batch}, {hw.name} (cap {hw.gpu_memory_bytes / 2**30:.2f} GiB), "
           f"default cost model")
