@@ -1591,6 +1591,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     with _processes(S):
         incumbent = _harmony(S) if opts.hint else None
         harmony_t = incumbent.simulated_iteration_time_s if incumbent is not None else None
+        hint_work = S.budget.used
 
         # 1. configurations in the order of their cheap bound, the hint's first (its value prunes early);
         # the bound is computed for those the search reaches (in_bound_order), each with the number of
@@ -1644,6 +1645,8 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
         "timeline": timeline,
         "wall_time_s": time.perf_counter() - t_start,
         "work_s": S.budget.used,
+        "work_budget_s": S.budget.total,
+        "hint_work_s": hint_work,       # of work_s: Harmony's search for the warm start
         "stopped_by_wall": S.budget.stopped_by_wall,
         "lower_bound_s": lb["bound_s"],
         "gap_to_lower_bound": (best_t - lb["bound_s"]) / best_t,

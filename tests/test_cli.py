@@ -156,3 +156,17 @@ def test_plan_uses_the_cores_it_may_run_on_unless_told(capsys, monkeypatch, argv
     monkeypatch.setattr(planner, "plan", fake_plan)
     rc, _, err = run(capsys, "plan", "--profile", "bert_large", "--batch", "8", "--quiet", *argv)
     assert (rc, seen) == (2, [want]) and "stop here" in err
+
+
+def test_plan_says_when_harmonys_search_took_the_budget():
+    """GPT-2 100B under --time-limit 10: Harmony's search for the warm start is charged 13 of the 9 work
+    seconds and the plan is Harmony's; the user is told, with a limit that leaves room (49 s gave
+    1.018x). Not where the search found a faster plan, nor where the hint took little."""
+    from harmony_opt.commands.planning import hint_note
+    starved = {"hint_work_s": 13.0, "work_budget_s": 9.0, "speedup_over_harmony": 1.0}
+    note = hint_note(starved, 10.0)
+    assert note.startswith("note: Harmony's search (the warm start) took 13.0 of the 9.0 work seconds")
+    assert note.endswith("--time-limit 49 or more leaves it two thirds of its budget")
+    assert hint_note({**starved, "speedup_over_harmony": 1.018}, 10.0) is None
+    assert hint_note({**starved, "hint_work_s": 2.0}, 10.0) is None
+    assert hint_note({"speedup_over_harmony": 1.0}, 10.0) is None          # a plan saved before the field

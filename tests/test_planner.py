@@ -804,6 +804,15 @@ def test_timeline_model_schedules_the_simulated_events_at_least_as_well():
     assert tl["order_bound"] <= tl["bound"] + 1e-9 and tl["order_gap"] >= tl["gap"] - 1e-9
 
 
+def test_the_report_counts_the_work_harmonys_search_took():
+    """``hint_work_s``: what the warm start was charged, part of ``work_s`` (none without the hint)."""
+    prof, hw = synthetic_profile(R=8, seed=2), get_hardware("1080ti-x4").with_gpus(2)
+    with_hint = plan(prof, hw, 8, PlannerOptions(time_limit=2)).solver
+    without = plan(prof, hw, 8, PlannerOptions(time_limit=2, hint=False)).solver
+    assert 0 < with_hint["hint_work_s"] < with_hint["work_s"] <= with_hint["work_budget_s"] * 1.5
+    assert without["hint_work_s"] == 0 and with_hint["work_budget_s"] == pytest.approx(0.9 * 2)
+
+
 def test_order_bound_holds_for_every_order_of_the_transfers():
     """Four vDP replicas on one host link: with the order inside each transfer stream free, CP-SAT
     proves an optimum below the rule order's, by running transfers in another order; the plan's

@@ -1,6 +1,7 @@
 """`harmony-opt plan | baseline | simulate | compare`."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -148,6 +149,18 @@ def solver_summary(s: dict) -> list[str]:
     return out
 
 
+def hint_note(s: dict, time_limit: float) -> str | None:
+    """Where Harmony's search for the warm start took most of the budget and the plan is no faster than
+    its plan, say so and what limit leaves room beyond it: a search that could not start is not a proof
+    that Harmony's plan is the best."""
+    hint, budget, speedup = s.get("hint_work_s"), s.get("work_budget_s"), s.get("speedup_over_harmony")
+    if not hint or not budget or speedup is None or speedup > 1 + 1e-9 or hint < 0.5 * budget:
+        return None
+    return (f"note: Harmony's search (the warm start) took {hint:.1f} of the {budget:.1f} work seconds of "
+            f"--time-limit {time_limit:g}, so the search went little beyond its plan; --time-limit "
+            f"{math.ceil(time_limit * hint / (0.3 * budget))} or more leaves it two thirds of its budget")
+
+
 def _outputs(args, output_example: str = "plan.json") -> None:
     """Check the output paths before the search: a bad path fails in a second, not after it."""
     for name, example in (("output", output_example), ("plot", "timeline.png"), ("trace", "trace.json")):
@@ -183,6 +196,9 @@ def _plan(args):
         print(f"Harmony's search on the same inputs: {s['harmony_time_s']:.4f} s -> speed-up "
               f"{s['speedup_over_harmony']:.3f}x" + ("  (its plan was the best found)" if s["source"] ==
                                                      "harmony-hint" else ""))
+    note = hint_note(s, args.time_limit)
+    if note:
+        print(note)
     if args.output:
         print(f"wrote {p.save(args.output)}")
     if not args.no_compare and args.cost_model == "default":
