@@ -133,7 +133,9 @@ class Budget:
     PER_TASK = 2.5e-6       # ... and per task of the evaluated sequence
     PER_SIMULATION = 3e-3   # the simulator judging a plan: fixed part (the task graph, the checks) ...
     PER_EVENT = 2.4e-5      # ... and per event
-    PER_HARMONY_EVENT = 1.2e-5  # Harmony's simulator (--cost-model harmony), per event it plays
+    PER_HARMONY_EVENT = 1.55e-5  # Harmony's simulator (--cost-model harmony), per event it plays besides
+                                 # PER_SIMULATION (session 30: 1.8 ms + 8.9 us per event on 22 plans in a
+                                 # hour 1.75x faster than the calibration's)
     PER_PACKING = 6.5e-6    # Harmony's search: its packing heuristics, per candidate and layer
     PER_MODEL_ROW = 9e-5    # building a CP-SAT model and completing its hint, per Boolean
     PER_SOLVE = 0.05        # CP-SAT's start-up, which its deterministic clock barely counts
@@ -145,11 +147,10 @@ class Budget:
         return Budget.PER_DP + Budget.PER_NODE * 2 * tasks.num_layers + Budget.PER_PAIR * dp.pairs(tasks)
 
     @staticmethod
-    def simulation(events: int, cost_model: str = "default") -> float:
-        """One simulation that played ``events`` events."""
-        if cost_model == "harmony":
-            return Budget.PER_HARMONY_EVENT * events
-        return Budget.PER_SIMULATION + Budget.PER_EVENT * events
+    def simulation(events: int, cost_model: str = "default", runs: int = 1) -> float:
+        """``runs`` simulations by the cost model's simulator that played ``events`` events in all."""
+        per_event = Budget.PER_HARMONY_EVENT if cost_model == "harmony" else Budget.PER_EVENT
+        return Budget.PER_SIMULATION * runs + per_event * events
 
     def __init__(self, total: float, wall: float | None = None):
         self.total, self.used = float(total), 0.0
@@ -974,9 +975,9 @@ def _harmony(S: _Search) -> Plan | None:
         except HarmonyOptError:
             continue
         # its candidates' simulations, by the cost model's simulator, and its packing work
-        per_event = Budget.PER_EVENT if S.opts.cost_model == "default" else Budget.PER_HARMONY_EVENT
-        S.budget.spend(per_event * hp.stats["events_simulated"] + hp.stats["configs_evaluated"]
-                       * (Budget.PER_SIMULATION + Budget.PER_PACKING * S.profile.num_layers))
+        runs = hp.stats["configs_evaluated"]
+        S.budget.spend(Budget.simulation(hp.stats["events_simulated"], S.opts.cost_model, runs)
+                       + runs * Budget.PER_PACKING * S.profile.num_layers)
         if hp.simulated_iteration_time_s is not None and (
                 best is None or hp.simulated_iteration_time_s < best.simulated_iteration_time_s):
             best = hp

@@ -1139,7 +1139,8 @@ def test_the_judge_charges_the_events_its_simulator_played(cost_model):
                   lambda s: None, {})
     t = S.judge(hp)
     if cost_model == "harmony":
-        tl, fixed, per_event = simulate_harmony(hp, prof, with_timeline=False), 0.0, P.Budget.PER_HARMONY_EVENT
+        tl, fixed, per_event = (simulate_harmony(hp, prof, with_timeline=False), P.Budget.PER_SIMULATION,
+                                P.Budget.PER_HARMONY_EVENT)
     else:
         tl, fixed, per_event = simulate(hp, prof, hw, with_timeline=False), P.Budget.PER_SIMULATION, P.Budget.PER_EVENT
     assert t == tl.iteration_time
