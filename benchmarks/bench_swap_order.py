@@ -39,7 +39,7 @@ from harmony_opt.io import atomic_write_text  # noqa: E402
 from harmony_opt.reproduce import machine_description, markdown_table  # noqa: E402
 from harmony_opt.simulator import _Expansion  # noqa: E402
 from solver_models.planner import PlannerOptions, plan  # noqa: E402
-from solver_models.timeline import ORDER_FREE, solve_timeline  # noqa: E402
+from solver_models.timeline import TRANSFER_STREAMS, solve_timeline  # noqa: E402
 
 GiB = 2**30
 MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")
@@ -57,7 +57,7 @@ def moved(plan_, profile, hw, starts: list[float]) -> int:
     sim.build()
     n = 0
     for (_, stream), q in sim.streams.items():
-        if stream in ORDER_FREE and stream != "free":
+        if stream in TRANSFER_STREAMS:
             n += sum(a != b for a, b in zip(q, sorted(q, key=lambda k: (starts[k], k))))
     return n
 

@@ -46,9 +46,11 @@ from . import cpsat
 
 SCALE = 1e6   # seconds -> integer microseconds (the timeline model keeps event times exact to 1 us)
 
-#: The streams whose order Harmony fixes by rule (transfers, and the bookkeeping of freed memory), as
-#: against the compute and CPU streams, whose order is the plan's task order
-ORDER_FREE = ("swap_in_w", "swap_in", "swap_out", "p2p", "free")
+#: The transfer streams, whose order Harmony fixes by rule, as against the compute and CPU streams,
+#: whose order is the plan's task order; with the order free, each still moves one transfer at a time
+TRANSFER_STREAMS = ("swap_in_w", "swap_in", "swap_out", "p2p")
+#: ... and the streams whose order may change: the transfers and the bookkeeping of freed memory
+ORDER_FREE = (*TRANSFER_STREAMS, "free")
 
 #: TimelineResult.status where CP-SAT found no schedule in its time: the result is the simulator's
 #: schedule (the hint, feasible for the model) against the model's floor (``_floor_ticks``)
@@ -147,7 +149,7 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
         for a, b in zip(q, q[1:]):
             m.add(start[b] >= end[a])
     for key, q in queues.items():              # else one transfer at a time, in any order
-        if key not in ordered and key[1] != "free" and len(q) > 1:
+        if key not in ordered and key[1] in TRANSFER_STREAMS and len(q) > 1:
             m.add_no_overlap([iv[k] for k in q])
     links = link_resources(ev, hw)
     slots = hw.link_slots if hw.shared_host_link else 1

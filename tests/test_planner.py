@@ -819,7 +819,7 @@ def test_order_bound_holds_for_every_order_of_the_transfers():
     order bound is below that optimum, and the schedule keeps each stream to one transfer at a
     time and every dependency."""
     from harmony_opt.simulator import _Expansion
-    from solver_models.timeline import ORDER_FREE, solve_timeline
+    from solver_models.timeline import TRANSFER_STREAMS, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
     p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
     fixed = solve_timeline(p, prof, hw, time_limit=10)
@@ -833,7 +833,7 @@ def test_order_bound_holds_for_every_order_of_the_transfers():
     assert all(at[k] >= ends[d] - 2e-6 for k, e in enumerate(ev) for d in e.deps)
     reordered = 0
     for (_, stream), q in sim.streams.items():
-        if stream in ORDER_FREE and stream != "free":
+        if stream in TRANSFER_STREAMS:
             run = sorted(q, key=at.__getitem__)
             assert all(at[b] >= ends[a] - 2e-6 for a, b in zip(run, run[1:]))
             reordered += run != q
