@@ -92,6 +92,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
+    if only and not only <= set(MODELS):
+        ap.error(f"--only {args.only}: give model names among {', '.join(MODELS)}")
+    if args.plan_limit <= 0 or args.time_limit <= 0:
+        ap.error("--plan-limit and --time-limit must be > 0 seconds")
     rows = []
     for m, batch, gpus, cap in cases():
         if only and m not in only:
