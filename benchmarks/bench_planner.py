@@ -90,7 +90,7 @@ def run_case(model, batch, mode, gpus, cap, time_limit, workers, wall_limit, pro
         "config_status": conf.get("status"), "config_bound_s": conf.get("bound"), "config_gap": conf.get("gap"),
         "space_bound_s": s["bound"], "space_gap": s["gap"],
         "timeline_objective_s": tl.get("objective"), "timeline_gap": tl.get("gap"),
-        "timeline_order_gap": tl.get("order_gap"),
+        "timeline_order_gap": tl.get("order_gap"), "ordered_streams": len(ours.transfer_order or ()),
         "ours_search_s": ours.search_time_s, "ours_work_s": s["work_s"],
         "speedup": hp.simulated_iteration_time_s / ours.simulated_iteration_time_s,
         "lower_bound_s": s["lower_bound_s"], "efficiency": s["lower_bound_s"] / ours.simulated_iteration_time_s,
@@ -136,7 +136,7 @@ def report(df: pd.DataFrame, a) -> str:
     med = statistics.median(df.speedup)
     shown = df[["model", "batch", "mode", "gpus", "harmony_time_s", "ours_time_s", "speedup", "ours_config",
                 "ours_objective_s", "fidelity", "config_status", "config_gap", "space_gap", "timeline_gap",
-                "timeline_order_gap", "ours_search_s", "ours_work_s", "efficiency"]]
+                "timeline_order_gap", "ordered_streams", "ours_search_s", "ours_work_s", "efficiency"]]
     walled = df[["model", "batch", "mode", "gpus", "walled_time_s", "walled_speedup", "walled_fidelity",
                  "walled_config_gap", "walled_space_gap", "walled_timeline_gap", "walled_search_s",
                  "walled_stopped_by_wall", "walled_same_plan"]]
@@ -158,7 +158,9 @@ def report(df: pd.DataFrame, a) -> str:
         f"|model - simulated| / simulated; `config_*`: what was proven for the chosen configuration (gap to its "
         f"bound); `space_gap`: gap to the bound over every configuration searched; `timeline_gap`: the timeline "
         f"model of the plan's events (docs/planner.md), `timeline_order_gap` the same against the bound over every "
-        f"order of the transfers in their streams (the plan keeps Harmony's rule; benchmarks/results/swap_order.md); "
+        f"order of the transfers in their streams (benchmarks/results/swap_order.md), `ordered_streams` the streams "
+        f"whose order the plan carries: the timeline model's, where the search left budget for it and the "
+        f"simulator played it faster (0: Harmony's rule; docs/planner.md section 6); "
         f"`ours_work_s`: the work seconds the search was charged "
         f"(deterministic), against its wall time `ours_search_s`.\n\n{markdown_table(shown)}\n"
         f"## Within {a.wall_limit:g} s of wall-clock time\n\n"
@@ -187,6 +189,8 @@ def report(df: pd.DataFrame, a) -> str:
         f"{df.fidelity.max():.4f}).\n"
         f"- Gap <= 2 %: chosen configuration {count('config_gap', 0.02)}/{n}; timeline model "
         f"{count('timeline_gap', 0.02)}/{n}; every configuration searched {count('space_gap', 0.02)}/{n}.\n"
+        f"- Plans carrying the timeline model's order of the swaps: {int((df.ordered_streams > 0).sum())}/{n}"
+        f"{''.join(f'; {r.model} D={r.batch} {r.mode}' for r in df[df.ordered_streams > 0].itertuples())}.\n"
         f"- Search time <= 10 s: {count('ours_search_s', 10.0)}/{n} (max {df.ours_search_s.max():.1f} s; wall / "
         f"work {(df.ours_search_s / df.ours_work_s).min():.2f}-{(df.ours_search_s / df.ours_work_s).max():.2f}).\n"
         f"- With `--wall-limit {a.wall_limit:g}`: search {df.walled_search_s.min():.1f}-"

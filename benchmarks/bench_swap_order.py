@@ -2,10 +2,12 @@
 
 Harmony fixes the order of the transfers in each stream by rule (weights in task order, each
 microbatch's input one ahead, outputs as they are made), and so do our compiler, executor and
-simulator. The timeline model (solver_models/timeline.py) bounds what any other order could gain
-and, with ``order="free"``, searches for one. For the planner's plan of each of the benchmark's 12
-distinct full-space cases (bench_planner.py: D = 64 on 4 GPUs, D = 32 on 2; at D = 32 both modes
-give the same plan):
+simulator unless a plan carries its own (``Plan.transfer_order``). The timeline model
+(solver_models/timeline.py) bounds what any other order could gain and, with ``order="free"`` or
+``"carried"``, searches for one. For the planner's plan of each of the benchmark's 12 distinct
+full-space cases (bench_planner.py: D = 64 on 4 GPUs, D = 32 on 2; at D = 32 both modes give the
+same plan), in Harmony's order (``planner_streams``: the streams whose order the planner's plan
+carried, where its budget left room for step 7; the columns below are about the rule's order):
 
 * ``simulated_s``: the plan's simulated iteration time (the simulator's greedy dispatch, the rule's order);
 * ``fixed_*``: the timeline model with the rule's order (CP-SAT's schedule and bound), ``dispatch_gain``
@@ -16,7 +18,12 @@ give the same plan):
   the fixed model's schedule: its best schedule, its bound (over every order), ``order_gain`` = 1 - free / fixed,
   what the order itself gained, and ``moved``, the transfers it runs in another place of their stream;
 * ``proven_order_gap`` = 1 - max(order_bound, free_bound) / simulated: the most any order and dispatch
-  can gain, with the tighter of the two bounds.
+  can gain, with the tighter of the two bounds;
+* ``carried_*``: the planner's step 7 without its budget: the timeline model with the order free in the
+  streams a plan can carry (``order="carried"``), hinted with the fixed model's schedule, its best
+  schedule, the streams its order changes (``ordered_streams``), the simulated time of the plan carrying
+  that order (``carried_simulated_s``) and ``carried_gain`` = 1 - carried_simulated / simulated (the planner
+  keeps an order only where it is > 0).
 
     python benchmarks/bench_swap_order.py [--plan-limit 10] [--time-limit 10] [--only vgg416]
 """
@@ -39,7 +46,8 @@ from harmony_opt.io import atomic_write_text  # noqa: E402
 from harmony_opt.reproduce import machine_description, markdown_table  # noqa: E402
 from harmony_opt.simulator import _Expansion  # noqa: E402
 from solver_models.planner import PlannerOptions, plan  # noqa: E402
-from solver_models.timeline import TRANSFER_STREAMS, solve_timeline  # noqa: E402
+from harmony_opt.simulator import simulate  # noqa: E402
+from solver_models.timeline import TRANSFER_STREAMS, carried_order, solve_timeline  # noqa: E402
 
 GiB = 2**30
 MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")
@@ -65,12 +73,18 @@ def moved(plan_, profile, hw, starts: list[float]) -> int:
 def run_case(model, batch, gpus, cap, plan_limit, time_limit) -> dict:
     profile = load_profile(model)
     hw = get_hardware("1080ti-x4").with_gpus(gpus)
-    p = plan(profile, hw, batch, PlannerOptions(time_limit=plan_limit, uneven=True, processes=2), memory_cap=cap)
+    planned = plan(profile, hw, batch, PlannerOptions(time_limit=plan_limit, uneven=True, processes=2),
+                   memory_cap=cap)
+    p = planned.replace(transfer_order=None)
+    sim = simulate(p, profile, hw, with_timeline=False).iteration_time
     fixed = solve_timeline(p, profile, hw, time_limit=time_limit)
     t0 = time.perf_counter()
     free = solve_timeline(p, profile, hw, time_limit=time_limit, order="free", hint=fixed.starts)
     free_wall = time.perf_counter() - t0
-    sim = p.simulated_iteration_time_s
+    carried = solve_timeline(p, profile, hw, time_limit=time_limit, order="carried", hint=fixed.starts)
+    order = carried_order(p, profile, hw, carried.starts)
+    carried_sim = sim if order is None else \
+        simulate(p.replace(transfer_order=order), profile, hw, with_timeline=False).iteration_time
     return {
         "model": model, "batch": batch, "gpus": gpus, "configuration": p.solver["configuration"]["configuration"],
         "events": fixed.events, "simulated_s": sim,
@@ -81,6 +95,9 @@ def run_case(model, batch, gpus, cap, plan_limit, time_limit) -> dict:
         "order_gain": 1 - free.makespan_s / fixed.makespan_s,
         "moved": moved(p, profile, hw, free.starts), "free_wall_s": free_wall,
         "proven_order_gap": 1 - max(fixed.order_bound_s, free.bound_s) / sim,
+        "carried_objective_s": carried.makespan_s, "ordered_streams": len(order or ()),
+        "carried_simulated_s": carried_sim, "carried_gain": 1 - carried_sim / sim,
+        "planner_streams": len(planned.transfer_order or ()),
     }
 
 
@@ -105,7 +122,8 @@ def main(argv=None) -> int:
         print(f"{m:12s} D={batch} x{gpus}: {r['events']:5d} events, simulated {r['simulated_s']:.4f} s, "
               f"rule's order {r['fixed_objective_s']:.4f} s, order free {r['free_objective_s']:.4f} s "
               f"({r['order_gain']:.2%} faster, {r['moved']} moved, {r['free_wall_s']:.1f} s), order bound "
-              f"{r['order_bound_s']:.4f} s, proven gap {r['proven_order_gap']:.2%}", flush=True)
+              f"{r['order_bound_s']:.4f} s, proven gap {r['proven_order_gap']:.2%}; carried order simulated "
+              f"{r['carried_simulated_s']:.4f} s ({r['carried_gain']:.2%})", flush=True)
     df = pd.DataFrame(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +141,11 @@ def main(argv=None) -> int:
         f"{statistics.median(df.dispatch_gain):.2%}, largest {df.dispatch_gain.max():.2%}.\n"
         f"- Gained by the order itself in {args.time_limit:g} s (order_gain): median "
         f"{statistics.median(df.order_gain):.2%}, largest {df.order_gain.max():.2%}; cases where a transfer moved: "
-        f"{int((df.moved > 0).sum())}/{len(df)}.\n")
+        f"{int((df.moved > 0).sum())}/{len(df)}.\n"
+        f"- The order a plan can carry, played by the simulator (carried_gain): faster in "
+        f"{int((df.carried_gain > 0).sum())}/{len(df)} (largest {df.carried_gain.max():.2%}), slower in "
+        f"{int((df.carried_gain < 0).sum())}/{len(df)}; the planner's plan carried an order in "
+        f"{int((df.planner_streams > 0).sum())}/{len(df)}.\n")
     atomic_write_text(out / "swap_order.md", text)
     print(f"wrote {out / 'swap_order.md'}")
     return 0

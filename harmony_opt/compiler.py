@@ -30,10 +30,13 @@ The lowering is a chain of pure passes:
    sweeps the whole task list alone: every pack's weights come in once per sweep, each
    sweep's dW is added to the host gradients (its swap-out carries the sweep as ``mb``;
    sweep 0 overwrites), and the optimizer steps after the last sweep.
-4. :func:`add_waits`: ids, and every instruction's ``waits_on`` derived from what it
+4. :func:`follow_order`: where the plan carries its own transfer order
+   (``Plan.transfer_order``, chosen by the planner's timeline model), each rank's swap-ins and
+   swap-outs are issued in it; everything else keeps its place up to what they depend on.
+5. :func:`add_waits`: ids, and every instruction's ``waits_on`` derived from what it
    reads and writes (:func:`harmony_opt.program.effects`), leaving out what the order
    of its own stream already implies.
-5. :func:`add_bytes`: byte sizes, when layer sizes are known.
+6. :func:`add_bytes`: byte sizes, when layer sizes are known.
 """
 from __future__ import annotations
 
@@ -41,8 +44,10 @@ import dataclasses
 import itertools
 from collections import defaultdict
 
+import networkx as nx
+
 from .errors import PlanError
-from .plan import Plan
+from .plan import Plan, transfer_key
 from .program import (CHANNELS, Effects, Instr, Kind, LayerBytes, Program, Stream, Tensor, effects, plan_identity)
 
 I, O, S, R, F, C, B, U, A, D = (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV, Kind.FWD, Kind.REC, Kind.BWD,
@@ -421,19 +426,14 @@ def _fifo(stream: Stream) -> bool:
     return stream is not Stream.P2P
 
 
-def add_waits(drafts: list[Instr], num_layers: int) -> tuple[Instr, ...]:
-    """Number the instructions and derive ``waits_on`` from their effects.
-
-    An instruction waits for: the last writer of every device tensor it reads or changes;
-    every reader of a tensor it changes or frees; every writer of host rows it reads; every
-    reader of host rows it overwrites. Waits on an earlier instruction of the same (FIFO)
-    stream are left out: stream order implies them.
-    """
-    ins = [x.replace(id=i) for i, x in enumerate(drafts)]
+def dependencies(drafts: list[Instr], num_layers: int) -> list[set[int]]:
+    """Per instruction, the earlier ones (by position) it must follow: the last writer of every
+    device tensor it reads or changes; every reader of a tensor it changes or frees; every writer
+    of host rows it reads; every reader of host rows it overwrites."""
     writer, readers = {}, defaultdict(list)
     host_w, host_r = defaultdict(list), defaultdict(list)
     out = []
-    for i, x in enumerate(ins):
+    for i, x in enumerate(drafts):
         e: Effects = effects(x, num_layers)
         deps = set()
         for k in e.reads + e.updates + e.frees:
@@ -454,9 +454,75 @@ def add_waits(drafts: list[Instr], num_layers: int) -> tuple[Instr, ...]:
             deps.update(j for rr, j in host_r[buf] if _overlap(rows, *(rr or (None, None))))
             host_w[buf].append((*(rows or (None, None)), i))
         deps.discard(i)
-        waits = tuple(sorted(d for d in deps if not (_fifo(x.stream) and ins[d].stream is x.stream)))
-        out.append(x.replace(waits_on=waits))
-    return tuple(out)
+        out.append(deps)
+    return out
+
+
+def add_waits(drafts: list[Instr], num_layers: int) -> tuple[Instr, ...]:
+    """Number the instructions and set ``waits_on`` to their :func:`dependencies`, leaving out
+    those on an earlier instruction of the same (FIFO) stream: stream order implies them."""
+    ins = [x.replace(id=i) for i, x in enumerate(drafts)]
+
+    def implied(x: Instr, d: int) -> bool:
+        return _fifo(x.stream) and ins[d].stream is x.stream
+    return tuple(x.replace(waits_on=tuple(sorted(d for d in deps if not implied(x, d))))
+                 for x, deps in zip(ins, dependencies(ins, num_layers)))
+
+
+def instruction_key(x: Instr) -> str | None:
+    """The name of a swap-in or swap-out in ``Plan.transfer_order``, as the simulator names the same
+    transfer (``simulator._Expansion.key``); None for what a plan's order does not name (weights,
+    buffers, optimizer state, targets, the host parking of re-batched activations)."""
+    if x.kind is I and x.tensor in (Tensor.X, Tensor.SX, Tensor.DY, Tensor.SA):
+        tensor = Tensor.SX if x.tensor is Tensor.SA else x.tensor       # a stashing pack's saved activations
+    elif x.kind is O and x.tensor in (Tensor.Y, Tensor.SX, Tensor.DX, Tensor.DW):
+        tensor = x.tensor
+    elif x.kind is O and x.tensor is Tensor.W:                          # the GPU optimizer's write-back
+        return transfer_key("WK", x.layers[0], 0, 0)
+    else:
+        return None
+    return transfer_key(tensor.value, x.layers[0], x.offset or 0, x.size or 0)
+
+
+def follow_order(drafts: list[Instr], plan: Plan, rank: int) -> tuple[list[Instr], list[str]]:
+    """Issue ``rank``'s swap-ins and swap-outs in the plan's order (``Plan.transfer_order``).
+
+    In each of those two streams the transfers the order names take the places the named ones
+    held, in its order; the others keep theirs. Then the whole list is re-sorted, as close to the
+    rule's issue order as the new stream orders and every dependency of the rule's order allow
+    (a tensor is still written before it is read and read before it is freed), so the program
+    computes the same thing. Frees may move later, to after the transfer that reads their tensor.
+    Returns the new list and notes on named transfers this rank's program has no instruction for
+    (the compiler moves some activations otherwise than the simulator: by P2P and host parking)."""
+    orders = {s: keys for r, s, keys in plan.transfer_order or () if r == rank and s in ("swap_in", "swap_out")}
+    if not orders:
+        return drafts, []
+    n = len(drafts)
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    for i, deps in enumerate(dependencies(drafts, plan.num_layers)):
+        g.add_edges_from((d, i) for d in deps)
+    notes = []
+    for stream in (Stream.COMPUTE, Stream.SWAP_IN, Stream.SWAP_OUT, Stream.CPU):
+        seq = [i for i, x in enumerate(drafts) if x.stream is stream and x.kind is not D]     # a free waits on nothing
+        keys = orders.get(stream.value)
+        if keys:
+            place = {k: p for p, k in enumerate(keys)}
+            named = [i for i in seq if place.get(instruction_key(drafts[i])) is not None]
+            moved = iter(sorted(named, key=lambda i: place[instruction_key(drafts[i])]))
+            slots = set(named)
+            seq = [next(moved) if i in slots else i for i in seq]
+            if len(named) < len(keys):
+                notes.append(f"transfer order, rank {rank} {stream.value}: {len(keys) - len(named)} of the "
+                             f"{len(keys)} transfers it names have no instruction of their own here; the rest "
+                             f"follow it")
+        g.add_edges_from(zip(seq, seq[1:]))
+    try:
+        order = list(nx.lexicographical_topological_sort(g, key=lambda i: i))
+    except nx.NetworkXUnfeasible:
+        raise PlanError(f"plan field transfer_order: rank {rank}'s swaps cannot be issued in that order (a transfer "
+                        f"would come before what it moves is made); re-plan, or drop transfer_order") from None
+    return [drafts[i] for i in order], notes
 
 
 def _overlap(rows: Rows | None, lo: int | None, n: int | None) -> bool:
@@ -497,6 +563,9 @@ def compile_plan(plan: Plan, *, layer_bytes: LayerBytes | None = None) -> Progra
     copies = build_tasks(plan)
     modes, notes = stash_modes(plan, copies[0])
     drafts = lower(plan, copies, modes)
+    for r, d in enumerate(drafts):
+        drafts[r], more = follow_order(d, plan, r)
+        notes += tuple(more)
     ranks = [add_waits(d, plan.num_layers) for d in drafts]
     if layer_bytes is not None:
         ranks = [add_bytes(x, layer_bytes, plan.num_layers) for x in ranks]

@@ -837,6 +837,9 @@ def simulate_harmony(plan: Plan, profile, *, bw_swap: float = BW_SWAP, bw_p2p: f
     if any(not o.recompute or o.optimizer != "cpu" for o in plan.options):
         raise PlanError("Harmony's simulator models recompute with the optimizer on the CPU only; "
                         "this plan stashes activations or steps on the GPU")
+    if plan.transfer_order is not None:
+        raise PlanError("Harmony's simulator swaps in Harmony's order only; this plan carries its own "
+                        "(transfer_order): simulate it with the default cost model")
     G = compose_task_graph(plan.mode, plan.gpus, plan.batch, plan.num_layers, plan.microbatch_fwd,
                            plan.packs_fwd, plan.microbatch_bwd, plan.packs_bwd)
     res = _simulate(G, profile, sim, keep_events=with_timeline)

@@ -20,6 +20,17 @@ have to stay resident, so those still go through host memory. Forward activation
 a forward pack holds its memory until its stashed inputs have left for host memory, so
 starting the next pack earlier only makes the one after wait for memory (measured on vgg416).
 
+``transfer_order`` (none by default, and none in Harmony's plans): per GPU, the order in which
+its activation swap-ins (``swap_in``) and swap-outs (``swap_out``) run, where it is not
+Harmony's rule (the task order, microbatch by microbatch). The planner's timeline model
+chooses it (solver_models/timeline.py); the simulator plays it and the compiler issues the
+transfers in it. The transfers an order names take the places the named ones held in their
+stream, in its order; those it does not name keep theirs. Each transfer is named by
+:func:`transfer_key`: ``Y[12]@8+8`` is the output activation of layer 11 (input of 12) for the
+8 samples from sample 8 of the GPU's share. The
+``free`` stream, the simulator's bookkeeping of when a task's memory is released, may be ordered
+too (keys ``F[0-3]@0``: the task's name).
+
 Plans are JSON with a ``version`` field (``to_json`` / ``from_json``); loading checks
 every field and names the one that is wrong.
 """
@@ -36,6 +47,8 @@ from .errors import PlanError
 PLAN_VERSION = 1
 MODES = ("vPP", "vDP")
 OPTIMIZER_PLACES = ("cpu", "gpu")
+#: The streams whose order a plan may carry (``Plan.transfer_order``)
+ORDERED_STREAMS = ("swap_in", "swap_out", "free")
 
 Pack = tuple[int, int]
 
@@ -52,6 +65,16 @@ class PackOptions:
 
 
 DEFAULT_OPTIONS = PackOptions()
+
+
+def transfer_key(tensor: str, layer: int, offset: int, size: int) -> str:
+    """The name of one transfer in ``Plan.transfer_order``: ``Y[12]@8+8``, tensor Y at layer 12, the
+    microbatch of 8 samples from sample 8 of its GPU's share (whole-pack transfers: ``dW[4]@0+0``)."""
+    return f"{tensor}[{layer}]@{offset}+{size}"
+
+
+#: One stream's order in ``Plan.transfer_order``: (rank, stream, the transfers' keys in order)
+StreamOrder = tuple[int, str, tuple[str, ...]]
 
 
 def split_microbatches(total: int, u: int) -> list[int]:
@@ -82,6 +105,7 @@ class Plan:
     input_batch_grouping: bool = True       # False: every microbatch sweeps all packs (naive swapping)
     allow_uneven: bool = False              # microbatch sizes need not divide the batch
     gpu_handoff: bool = False               # keep single-microbatch gradient handoffs on one GPU (keeps_on_gpu)
+    transfer_order: tuple[StreamOrder, ...] | None = None   # None: Harmony's rule (see the module docstring)
     cost_model: str = "default"
     memory_cap: int | None = None
     profile: dict = dataclasses.field(default_factory=dict)    # {"name", "identity"}
@@ -97,6 +121,8 @@ class Plan:
         object.__setattr__(self, "packs_bwd", tuple(tuple(int(x) for x in p) for p in self.packs_bwd))
         if not self.options:
             object.__setattr__(self, "options", tuple(DEFAULT_OPTIONS for _ in self.packs_bwd))
+        if self.transfer_order is not None:
+            object.__setattr__(self, "transfer_order", _stream_orders(self.transfer_order))
         self.validate()
 
     # -- derived ---------------------------------------------------------------------------
@@ -181,6 +207,19 @@ class Plan:
                             "optimizer \"cpu\" or set input_batch_grouping")
         if self.memory_cap is not None and (not isinstance(self.memory_cap, int) or self.memory_cap <= 0):
             raise PlanError(f"plan field memory_cap: must be a positive number of bytes, got {self.memory_cap!r}")
+        seen = set()
+        for i, (rank, stream, keys) in enumerate(self.transfer_order or ()):
+            where = f"plan field transfer_order[{i}]"
+            if not 0 <= rank < self.gpus:
+                raise PlanError(f"{where}: rank {rank} is not one of the plan's {self.gpus} GPUs")
+            if stream not in ORDERED_STREAMS:
+                raise PlanError(f"{where}: stream {stream!r} is not one of {', '.join(ORDERED_STREAMS)}")
+            if (rank, stream) in seen:
+                raise PlanError(f"{where}: rank {rank} stream {stream} is ordered twice")
+            seen.add((rank, stream))
+            if len(set(keys)) != len(keys):
+                dup = next(k for k in keys if keys.count(k) > 1)
+                raise PlanError(f"{where}: transfer {dup} is named twice")
         return self
 
     def check_against(self, profile=None, hardware=None) -> "Plan":
@@ -213,7 +252,7 @@ class Plan:
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "version": self.version,
             "planner": self.planner,
             "mode": self.mode,
@@ -236,6 +275,9 @@ class Plan:
             "solver": self.solver,
             "stats": self.stats,
         }
+        if self.transfer_order is not None:     # only when set: plans in Harmony's order read as before
+            d["transfer_order"] = [{"rank": r, "stream": s, "order": list(k)} for r, s, k in self.transfer_order]
+        return d
 
     def to_json(self) -> str:
         """The plan file: the same inputs, seed and worker count give the same bytes.
@@ -281,6 +323,8 @@ class Plan:
                 if not isinstance(d[k], bool):
                     raise PlanError(f"{source}: field {k} must be true or false")
                 kw[k] = d[k]
+        if d.get("transfer_order") is not None:
+            kw["transfer_order"] = _read_orders(d["transfer_order"], source)
         for k in ("cost_model", "memory_cap", "profile", "hardware", "simulated_iteration_time_s",
                   "search_time_s", "solver", "stats", "version"):
             if k in d and d[k] is not None:
@@ -346,6 +390,27 @@ def _packs(packs: dict, key: str, source: str) -> tuple[Pack, ...]:
                 or any(isinstance(x, bool) or not isinstance(x, int) for x in p)):
             raise PlanError(f"{source}: field packs.{key}[{i}] must be [first, last] layer indices, got {p!r}")
         out.append((p[0], p[1]))
+    return tuple(out)
+
+
+def _stream_orders(orders) -> tuple[StreamOrder, ...]:
+    try:
+        return tuple((r, s, tuple(k)) for r, s, k in orders)
+    except (TypeError, ValueError):
+        raise PlanError("plan field transfer_order: must be (rank, stream, keys) triples") from None
+
+
+def _read_orders(v, source: str) -> tuple[StreamOrder, ...]:
+    if not isinstance(v, list):
+        raise PlanError(f"{source}: field transfer_order must be a list of {{rank, stream, order}} objects")
+    out = []
+    for i, o in enumerate(v):
+        if (not isinstance(o, dict) or set(o) != {"rank", "stream", "order"} or isinstance(o["rank"], bool)
+                or not isinstance(o["rank"], int) or not isinstance(o["stream"], str)
+                or not isinstance(o["order"], list) or not all(isinstance(k, str) for k in o["order"])):
+            raise PlanError(f"{source}: field transfer_order[{i}] must be an object with rank (a whole number), "
+                            f"stream (a name) and order (a list of transfer names)")
+        out.append((o["rank"], o["stream"], tuple(o["order"])))
     return tuple(out)
 
 

@@ -459,6 +459,8 @@ def plan_identity(plan) -> str:
     core = {k: d[k] for k in ("mode", "gpus", "batch", "microbatch", "packs", "options", "num_layers", "prefetch")}
     if plan.gpu_handoff:        # only when set, so the programs of earlier plans keep their identity
         core["gpu_handoff"] = True
+    if plan.transfer_order is not None:
+        core["transfer_order"] = d["transfer_order"]
     return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -8,7 +8,9 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
 * per rank the streams ``compute``, ``swap_in_w`` (weights), ``swap_in`` (activations),
   ``swap_out`` and ``p2p``; one ``cpu`` stream per rank for optimizer steps;
 * each stream runs its events in order (FIFO), an event starts when its
-  dependencies are done;
+  dependencies are done; the order is Harmony's rule unless the plan carries its own for the
+  ``swap_in``, ``swap_out`` and ``free`` streams (``Plan.transfer_order``, named by
+  :meth:`_Expansion.key`);
 * host->GPU and GPU->host transfers of all GPUs behind a shared switch share the link:
   at most ``hardware.link_slots`` transfers per direction run at once;
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
@@ -33,7 +35,7 @@ import numpy as np
 
 from .errors import PlanError
 from .hardware import Hardware
-from .plan import Plan
+from .plan import Plan, transfer_key
 from .profile import Profile
 from .taskgraph import (SOURCE_TENSOR, Medium, Task, TaskKind, TaskNode, Tensor, compose, placement, task_memories,
                         task_memory)
@@ -189,6 +191,49 @@ class _Expansion:
         for upd, producers in waiting:
             self.events[upd].deps += [g for g in (self._gradient_ready(*p) for p in producers)
                                       if g not in self.events[upd].deps]
+        for rank, stream, keys in self.plan.transfer_order or ():
+            self._reorder(rank, stream, keys)
+
+    # -- the plan's own transfer order ------------------------------------------------------------
+    def key(self, eid: int) -> str:
+        """The name of event ``eid`` in ``Plan.transfer_order``: a transfer's tensor, layer and rows
+        (plan.transfer_key, as the compiler names the same transfer), a free event's task."""
+        e = self.events[eid]
+        node = self.by_key[e.node]
+        if e.stream == "free":
+            return str(e.node)
+        a, b = node.pack
+        if e.kind in ("Y", "dY"):
+            layer = b + 1
+        elif e.kind == "sX" and e.stream == "swap_out":     # what it stashes for the backward pack it is for
+            layer = next(f.layers[0] for f in node.outputs if f.tensor == Tensor.SX and f.peer == e.peer)
+        else:
+            layer = a
+        sweep = e.node.sweep
+        if sweep is not None:       # naive swapping: the sweep's one microbatch, at its place in the share
+            size = node.microbatches[0] if node.microbatches else self.plan.microbatches("FWD", e.rank)[sweep]
+            return transfer_key(e.kind, layer, sweep * self.plan.microbatch_fwd, size)
+        if e.kind in ("dW", "WK", "W", "K"):
+            return transfer_key(e.kind, layer, 0, 0)
+        sizes = node.microbatches
+        return transfer_key(e.kind, layer, sum(sizes[:e.microbatch]), sizes[e.microbatch])
+
+    def _reorder(self, rank: int, stream: str, keys: tuple[str, ...]) -> None:
+        """The transfers ``keys`` names take the places the named ones held in the stream, in its
+        order; the others keep theirs (as compiler.follow_order issues them)."""
+        queue = self.streams.get((rank, stream), [])
+        by_key = {self.key(eid): eid for eid in queue}
+        where = f"plan field transfer_order: rank {rank} stream {stream}"
+        if len(by_key) != len(queue):           # a bug: two transfers of one stream with one name
+            raise PlanError(f"{where}: {len(queue) - len(by_key)} transfers share a name; this plan's order "
+                            f"cannot be carried")
+        unknown = [k for k in keys if k not in by_key]
+        if unknown:
+            raise PlanError(f"{where} names {unknown[0]}, which this plan does not move there ({len(unknown)} such); "
+                            f"the order belongs to another plan: re-plan, or drop transfer_order")
+        named = iter(by_key[k] for k in keys)
+        slots = {by_key[k] for k in keys}
+        self.streams[(rank, stream)] = [next(named) if eid in slots else eid for eid in queue]
 
     def _task(self, node: TaskNode, last_on_rank: dict) -> None:
         """The events of a forward or backward task, microbatch by microbatch."""
@@ -460,8 +505,10 @@ class _Expansion:
                             later.append(sw)
             if not finishing:
                 e = next(ev[queues[si][pos[si]]] for si in range(len(keys)) if pos[si] < qlen[si])
+                why = ("its transfer_order runs a transfer before what it needs: re-plan, or drop transfer_order"
+                       if self.plan.transfer_order else "the plan's memory or ordering is inconsistent")
                 raise PlanError(f"simulation deadlocked: {e.kind} of pack {e.pack} microbatch {e.microbatch} on rank "
-                                f"{e.rank} ({e.stream}) can never start; the plan's memory or ordering is inconsistent")
+                                f"{e.rank} ({e.stream}) can never start; {why}")
             # -- finish everything that ends at the next end time
             t, _, eid = heappop(finishing)
             done = [eid]

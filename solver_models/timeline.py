@@ -21,10 +21,14 @@ optimum is never later than the simulated time; the difference is how much a sma
 dispatcher than the simulator's greedy one could gain, and the bound proves how much
 no dispatcher can.
 
-The order inside the transfer streams is Harmony's rule (``ORDER_FREE``). ``order_bound_s``
-proves how much any other order could gain: the same floor with those streams' order left free.
-``order="free"`` lets CP-SAT choose that order too (``NoOverlap`` per stream): a measurement
-(benchmarks/bench_swap_order.py), since a Plan carries no order of its own.
+The order inside the transfer streams is the plan's: Harmony's rule, or the order it carries
+(``Plan.transfer_order``). ``order_bound_s`` proves how much any other order could gain: the same
+floor with the order of the transfer streams left free (``ORDER_FREE``). ``order="carried"`` lets
+CP-SAT choose the order of the streams a plan can carry (``plan.ORDERED_STREAMS``: activation
+swap-ins and swap-outs, and the release of memory; ``NoOverlap`` per stream), and
+:func:`carried_order` turns its schedule into the plan's order: the planner keeps it where the
+simulator plays it faster. ``order="free"`` frees the weights' swap-ins and the P2P transfers as
+well, which a plan cannot carry (benchmarks/bench_swap_order.py measures it).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from graphlib import TopologicalSorter
 from ortools.sat.python import cp_model
 
 from harmony_opt.hardware import Hardware
-from harmony_opt.plan import Plan
+from harmony_opt.plan import ORDERED_STREAMS, Plan, StreamOrder
 from harmony_opt.profile import Profile
 from harmony_opt.simulator import _Expansion, check_memory
 
@@ -51,6 +55,9 @@ SCALE = 1e6   # seconds -> integer microseconds (the timeline model keeps event 
 TRANSFER_STREAMS = ("swap_in_w", "swap_in", "swap_out", "p2p")
 #: ... and the streams whose order may change: the transfers and the bookkeeping of freed memory
 ORDER_FREE = (*TRANSFER_STREAMS, "free")
+
+#: The orders solve_timeline may leave to CP-SAT: none, those a plan carries, every transfer stream's
+ORDERS = {"fixed": (), "carried": ORDERED_STREAMS, "free": ORDER_FREE}
 
 #: TimelineResult.status where CP-SAT found no schedule in its time: the result is the simulator's
 #: schedule (the hint, feasible for the model) against the model's floor (``_floor_ticks``)
@@ -110,11 +117,12 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
                    workers: int = 1, report=None, wall_limit: float | None = None,
                    rel_gap: float = 1e-3, order: str = "fixed", hint: list[float] | None = None) -> TimelineResult:
     """Schedule ``plan``'s events optimally (up to ``time_limit`` deterministic seconds and, if given,
-    ``wall_limit`` wall-clock seconds; stopping within ``rel_gap`` of the bound). ``order="free"``: the
-    order inside the ``ORDER_FREE`` streams is CP-SAT's to choose as well. ``hint``: start times of a
-    schedule of the model (another result's ``starts``) to start from instead of the simulator's."""
-    if order not in ("fixed", "free"):
-        raise ValueError(f"order must be 'fixed' or 'free', not {order!r}")
+    ``wall_limit`` wall-clock seconds; stopping within ``rel_gap`` of the bound). ``order``: whose order
+    CP-SAT may change besides the times (``ORDERS``): none (``"fixed"``), the streams a plan carries
+    (``"carried"``), every transfer stream (``"free"``). ``hint``: start times of a schedule of the
+    model (another result's ``starts``) to start from instead of the simulator's."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
     t0 = time.perf_counter()
     plan.check_against(profile, hw)
     cap = int(plan.memory_cap or hw.gpu_memory_bytes)
@@ -144,7 +152,7 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
         for d in e.start_deps:
             m.add(start[k] >= start[d])
     by_plan = {k: q for k, q in queues.items() if k[1] not in ORDER_FREE}     # compute and CPU: the task order
-    ordered = queues if order == "fixed" else by_plan
+    ordered = {k: q for k, q in queues.items() if k[1] not in ORDERS[order]}
     for q in ordered.values():                 # FIFO per stream
         for a, b in zip(q, q[1:]):
             m.add(start[b] >= end[a])
@@ -205,6 +213,23 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
         order_bound = bound / SCALE
     return TimelineResult(name, solver.objective_value / SCALE, bound / SCALE, simulated,
                           len(ev), wall, [solver.value(s) / SCALE for s in start], order_bound)
+
+
+def carried_order(plan: Plan, profile: Profile, hw: Hardware, starts: list[float]) -> tuple[StreamOrder, ...] | None:
+    """The order a schedule's start times give the streams a plan carries (``Plan.transfer_order``),
+    for those where it is not Harmony's rule; None where it is the rule's everywhere. Ties go to the
+    event made first, so the order keeps every dependency (an event's are all made before it)."""
+    sim = _Expansion(plan.replace(transfer_order=None), profile, hw, int(plan.memory_cap or hw.gpu_memory_bytes),
+                     plan.prefetch)
+    sim.build()
+    out = []
+    for (rank, stream), q in sorted(sim.streams.items()):
+        if stream not in ORDERED_STREAMS:
+            continue
+        new = sorted(q, key=lambda k: (starts[k], k))
+        if new != q:
+            out.append((rank, stream, tuple(sim.key(k) for k in new)))
+    return tuple(out) or None
 
 
 def link_resources(ev, hw: Hardware) -> dict:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harmony_opt.compiler import build_tasks, compile_plan, microbatch_rows
+from harmony_opt.compiler import build_tasks, compile_plan, instruction_key, microbatch_rows
 from harmony_opt.errors import PlanError, ProgramError
 from harmony_opt.plan import PackOptions, Plan
 from harmony_opt.program import (Instr, Kind, LayerBytes, Program, Stream, Tensor, effects, format_schedule,
@@ -370,3 +370,24 @@ def test_layer_bytes_from_a_bundled_profile():
     plan = make_plan(batch=8, uf=4, ub=4, fwd=((0, half - 1),), bwd=((0, half - 1), (half, R - 1)), R=R)
     stats = validate_program(compile_plan(plan, layer_bytes=lb))
     assert stats.peak_bytes[0] > int(prof.param_bytes(half, R - 1))
+
+
+def test_a_plans_transfer_order_is_the_programs_issue_order():
+    """The compiler issues the swap-outs in the plan's order (Plan.transfer_order), keeps every other
+    instruction and every dependency, and refuses an order that would move a tensor before it is made."""
+    p = make_plan(mode="vDP", gpus=1, batch=8, uf=4, ub=4, fwd=[(0, 1), (2, 3)], bwd=[(0, 1), (2, 3), (4, 5)], R=6)
+
+    def swap_outs(program):
+        return [instruction_key(x) for x in program.ranks[0] if x.kind is Kind.SWAP_OUT and instruction_key(x)]
+    rule = compile_plan(p)
+    keys = swap_outs(rule)
+    order = [k for k in keys if k.startswith("Y")] + [k for k in keys if not k.startswith("Y")]
+    assert order != keys
+    program = compile_plan(p.replace(transfer_order=[(0, "swap_out", tuple(order))]),
+                           layer_bytes=sizes(p.num_layers))
+    assert swap_outs(program) == order
+    validate_program(program)
+    assert Counter(x.replace(id=0, waits_on=(), bytes=0) for x in program.ranks[0]) == \
+        Counter(x.replace(id=0, waits_on=()) for x in rule.ranks[0])
+    with pytest.raises(PlanError, match="rank 0's swaps cannot be issued in that order"):
+        compile_plan(p.replace(transfer_order=[(0, "swap_out", tuple(reversed(keys)))]))

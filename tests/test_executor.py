@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from harmony_opt.compiler import compile_plan
+from harmony_opt.compiler import compile_plan, instruction_key
 from harmony_opt.decompose import ClassificationLoss, LayeredModel, run_layers
 from harmony_opt.errors import ProgramError, RuntimeMemoryError
 from harmony_opt.plan import PackOptions, Plan
@@ -108,6 +108,12 @@ CASES = {
                                                    (NO_RC, GPU_OPT, PackOptions()), gpu_handoff=True), ADAM),
     "gpt2-vdp-gpu-handoff-ufwd2-sgd": ("gpt2", plan("vDP", 1, 4, 2, 4, [(0, 2), (3, 4)], [(0, 1), (2, 4), (5, 7)], 8,
                                                     gpu_handoff=True), SGD),
+    # swaps in the order a plan carries (Plan.transfer_order): every output before the stash, dY before sX
+    "mlp-vdp-transfer-order-sgd": ("mlp", plan("vDP", 1, 8, 4, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6,
+                                               transfer_order=[(0, "swap_out", ("Y[2]@0+4", "Y[2]@4+4", "Y[4]@0+4",
+                                                                                "Y[4]@4+4", "sX[2]@0+4", "sX[2]@4+4")),
+                                                               (0, "swap_in", ("dY[4]@0+4", "sX[2]@0+4", "dY[4]@4+4",
+                                                                               "sX[2]@4+4"))]), SGD),
     # two ranks: one process each (kept few: starting processes is the slow part; GPT-2 first, so the
     # fork server starts once, with transformers imported, and the MLP runs reuse it)
     "gpt2-vpp-2ranks-stash-send-adam": ("gpt2", plan("vPP", 2, 4, 2, 1, [(0, 2), (3, 4)],
@@ -152,6 +158,9 @@ def test_executor_matches_plain_pytorch(name):
     assert max(errs) < 1e-5, (name, errs)
     assert len(res.losses) == STEPS and len(res.peak_device_bytes) == p.gpus
     assert all(b > 0 for b in res.peak_device_bytes if p.mode == "vDP" or p.gpus == 1)
+    for rank, stream, keys in p.transfer_order or ():     # the program issues them in the plan's order
+        issued = [instruction_key(x) for x in res.program.ranks[rank] if x.stream.value == stream]
+        assert [k for k in issued if k in keys] == list(keys)
     # recompute off really kept the forward graph; every other pack recomputed
     instrs = [x for ins in res.program.ranks for x in ins]
     assert {x.layers for x in instrs if x.kind is Kind.BWD and x.tensor is Tensor.SA} == kept_packs(p)

@@ -21,6 +21,11 @@ def test_json_roundtrip(tmp_path):
     assert Plan.load(h.save(tmp_path / "h.json")) == h != p
     d = json.loads((tmp_path / "p.json").read_text())
     assert d["microbatch"] == {"fwd": 2, "bwd": 2} and d["packs"]["bwd"] == [[0, 1], [2, 3]]
+    assert "transfer_order" not in d            # Harmony's rule: the file reads as before the field existed
+    o = good(transfer_order=[(1, "swap_out", ["Y[2]@2+2", "Y[2]@0+2"])])
+    assert Plan.load(o.save(tmp_path / "o.json")) == o != p
+    assert json.loads((tmp_path / "o.json").read_text())["transfer_order"] == [
+        {"rank": 1, "stream": "swap_out", "order": ["Y[2]@2+2", "Y[2]@0+2"]}]
 
 
 @pytest.mark.parametrize("kw,fragment", [
@@ -31,6 +36,10 @@ def test_json_roundtrip(tmp_path):
     ({"mode": "vXP"}, "mode"),
     ({"gpus": 0}, "gpus"),
     ({"packs_fwd": [], "packs_bwd": [(0, 3)], "microbatch_bwd": 16}, "larger than"),
+    ({"transfer_order": [(2, "swap_out", ())]}, r"transfer_order\[0\]: rank 2 is not one of the plan's 2 GPUs"),
+    ({"transfer_order": [(0, "compute", ())]}, "stream 'compute' is not one of swap_in, swap_out, free"),
+    ({"transfer_order": [(0, "swap_in", ()), (0, "swap_in", ())]}, r"transfer_order\[1\]: .* ordered twice"),
+    ({"transfer_order": [(0, "swap_in", ("X[0]@0+2", "X[0]@0+2"))]}, "X\\[0\\]@0\\+2 is named twice"),
 ])
 def test_bad_plans_name_the_field(kw, fragment):
     with pytest.raises(PlanError, match=fragment):
@@ -43,6 +52,11 @@ def test_malformed_json_names_the_field(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps(d))
     with pytest.raises(PlanError, match=r"packs.fwd\[0\]"):
+        Plan.load(f)
+    d = good().to_dict()
+    d["transfer_order"] = [{"rank": 0, "stream": "swap_out", "order": "Y[2]@0+2"}]
+    f.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match=r"transfer_order\[0\] must be an object with rank"):
         Plan.load(f)
     f.write_text('{"planner": "x"')
     with pytest.raises(PlanError, match="not valid JSON"):

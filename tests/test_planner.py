@@ -7,7 +7,9 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from harmony_opt import InfeasibleError, get_hardware, load_profile
 from harmony_opt.baselines import plan_harmony
+from harmony_opt.compiler import compile_plan
 from harmony_opt.plan import Plan, split_microbatches
+from harmony_opt.program import validate_program
 from harmony_opt.simulator import simulate
 from solver_models import chain, dp, pipeline, search
 from solver_models.planner import (PlannerOptions, compute_floor, config_bound, configurations, in_bound_order,
@@ -840,6 +842,40 @@ def test_order_bound_holds_for_every_order_of_the_transfers():
     assert reordered
 
 
+def test_a_plan_carries_the_order_of_the_swaps_the_timeline_model_chose():
+    """The timeline model with the order of the carried streams free (``order="carried"``) beats the
+    rule's order on four vDP replicas sharing one link; the plan carrying its order
+    (``carried_order``) has that schedule as its own: the fixed-order model of the ordered plan
+    reaches it (within the stop gap), below the rule order's optimum, and simulates it."""
+    from solver_models.timeline import carried_order, solve_timeline
+    prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
+    p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    rule = solve_timeline(p, prof, hw, time_limit=10, rel_gap=0)
+    chosen = solve_timeline(p, prof, hw, time_limit=10, order="carried", hint=rule.starts, rel_gap=0)
+    assert rule.status == chosen.status == "OPTIMAL" and chosen.makespan_s < rule.makespan_s - 1e-4
+    order = carried_order(p, prof, hw, chosen.starts)
+    assert order and {s for _, s, _ in order} <= {"swap_in", "swap_out", "free"}
+    ordered = p.replace(transfer_order=order)
+    own = solve_timeline(ordered, prof, hw, time_limit=10, rel_gap=0)
+    assert own.status == "OPTIMAL" and own.makespan_s == pytest.approx(chosen.makespan_s, abs=1e-6)
+    assert simulate(ordered, prof, hw).iteration_time > 0
+    assert carried_order(p, prof, hw, rule.starts) is None          # the rule's own schedule: no order to carry
+
+
+def test_the_planner_carries_an_order_the_simulator_plays_faster():
+    """resnet1026 D=32 on 2 GPUs: the search ends early, the order bound leaves 2.7 % below the
+    simulated time, and the timeline model's order of rank 1's swap-outs simulates 0.3 % faster: the
+    plan carries it, its simulated time is the ordered one, and it compiles in that order."""
+    prof, hw = load_profile("resnet1026"), get_hardware("1080ti-x4").with_gpus(2)
+    p = plan(prof, hw, 32, PlannerOptions(time_limit=10, uneven=True), memory_cap=10 * 2**30)
+    o = p.solver["timeline"]["transfer_order"]
+    assert o["kept"] and p.transfer_order and o["streams"] == len(p.transfer_order)
+    assert p.simulated_iteration_time_s == o["simulated"] < o["rule_simulated"]
+    assert simulate(p, prof, hw).iteration_time == pytest.approx(p.simulated_iteration_time_s, abs=1e-12)
+    assert simulate(p.replace(transfer_order=None), prof, hw).iteration_time == pytest.approx(o["rule_simulated"])
+    validate_program(compile_plan(p))
+
+
 @pytest.mark.parametrize("time_limit", [2.0, 20.0])
 def test_timeline_model_gets_at_most_a_tenth_of_a_short_time_limit(time_limit, monkeypatch):
     """The timeline model only reports on the chosen plan; its deterministic second can cost several
@@ -856,7 +892,8 @@ def test_timeline_model_gets_at_most_a_tenth_of_a_short_time_limit(time_limit, m
     prof = synthetic_profile(R=10, seed=7)
     hw = get_hardware("1080ti-x4").with_gpus(2)
     p = plan(prof, hw, 8, PlannerOptions(time_limit=time_limit), memory_cap=int(prof.costs("BWD", 4).pack_memory(0, 9)))
-    assert len(asked) == 1 and 0 < asked[0] <= min(1.0, 0.1 * time_limit) + 1e-9
+    # the plan's schedule, and where the order of the swaps could gain, the model choosing it
+    assert 1 <= len(asked) <= 2 and all(0 < a <= min(1.0, 0.1 * time_limit) + 1e-9 for a in asked)
     assert p.solver["timeline"]["status"] in ("OPTIMAL", "FEASIBLE")
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from harmony_opt import PlanError, get_hardware, load_profile
-from harmony_opt.plan import PackOptions, Plan, data_shares
+from harmony_opt.plan import ORDERED_STREAMS, PackOptions, Plan, data_shares
 from harmony_opt.simulator import _Expansion, check_memory, count_events, simulate, tasks_of
 from harmony_opt.taskgraph import SOURCE_TENSOR, Medium, TaskKind, Tensor, link_bytes, task_graph
 
@@ -302,3 +302,49 @@ def test_trace_and_plot(tmp_path):
     trace = json.loads(tl.to_chrome_trace(tmp_path / "t.json").read_text())
     assert any(e["ph"] == "X" for e in trace["traceEvents"])
     assert tl.plot(tmp_path / "g.png").stat().st_size > 10_000
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans())
+def test_a_plan_carrying_the_rules_own_order_plays_the_same(case):
+    """Plan.transfer_order names each transfer of the ordered streams once (simulator._Expansion.key),
+    and an order equal to Harmony's rule changes nothing."""
+    prof, plan, hw = case
+    cap = 2**40
+    sim, tl = expand(plan, prof, hw, cap)
+    order = []
+    for (rank, stream), q in sorted(sim.streams.items()):
+        if stream in ORDERED_STREAMS:
+            keys = tuple(sim.key(k) for k in q)
+            assert len(set(keys)) == len(keys), (stream, keys)
+            order.append((rank, stream, keys))
+    same = simulate(plan.replace(transfer_order=order), prof, hw, memory_cap=cap)
+    assert same.iteration_time == tl.iteration_time
+
+
+def test_the_simulator_plays_the_plans_transfer_order():
+    """Swap-outs and swap-ins run in the order the plan carries: named transfers take the places of the
+    named ones, the rest keep theirs; a name the plan does not move is refused, naming it."""
+    prof = synthetic_profile(R=6, seed=0)
+    p = Plan("t", "vDP", 1, 8, 4, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    out = ("Y[4]@0+4", "Y[4]@4+4", "sX[2]@0+4", "sX[2]@4+4")      # rule: sX, Y, sX, Y of F[2-3]
+    inp = ("dY[4]@0+4", "sX[2]@0+4", "dY[4]@4+4", "sX[2]@4+4")     # rule: sX before dY of B[2-3]
+    q = p.replace(transfer_order=[(0, "swap_out", out), (0, "swap_in", inp)])
+    sim, _ = expand(q, prof, HW, 2**40)
+    for stream, keys in (("swap_out", out), ("swap_in", inp)):
+        played = sorted(sim.streams[(0, stream)], key=lambda k: sim.events[k].start)
+        names = [sim.key(k) for k in played]
+        assert [k for k in names if k in keys] == list(keys)
+        rule, _ = expand(p, prof, HW, 2**40)
+        assert [rule.key(k) for k in rule.streams[(0, stream)] if rule.key(k) in keys] != list(keys)
+        assert [k for k in names if k not in keys] == [rule.key(k) for k in rule.streams[(0, stream)]
+                                                       if rule.key(k) not in keys]
+    bad = p.replace(transfer_order=[(0, "swap_out", ("Y[5]@0+4",))])
+    with pytest.raises(PlanError, match=r"rank 0 stream swap_out names Y\[5\]@0\+4, which this plan does not"):
+        simulate(bad, prof, HW)
+    backwards = tuple(reversed([rule.key(k) for k in rule.streams[(0, "swap_out")]]))   # dW before the outputs
+    with pytest.raises(PlanError, match="deadlocked: .* its transfer_order runs a transfer before what it needs"):
+        simulate(p.replace(transfer_order=[(0, "swap_out", backwards)]), prof, HW)
+    from harmony_opt.harmony_compat import simulate_harmony
+    with pytest.raises(PlanError, match="Harmony's simulator swaps in Harmony's order only"):
+        simulate_harmony(q, prof)

@@ -141,11 +141,26 @@ def solver_summary(s: dict) -> list[str]:
         from solver_models.timeline import HINT
         source = "no schedule found in its time: the simulator's" if t["status"] == HINT else \
             f"CP-SAT {t['status'].lower()}"
-        out.append(f"timeline model of this plan's events ({source}): {t['objective']:.4f} s, "
-                   f"bound {t['bound']:.4f} s, gap {pct(t['gap'])}")
+        o = t.get("transfer_order")
+        kept = bool(o and o["kept"])
+        in_rule = " in Harmony's transfer order" if kept else ""
+        out.append(f"timeline model of this plan's events{in_rule} ({source}): "
+                   f"{t['objective']:.4f} s, bound {t['bound']:.4f} s, gap {pct(t['gap'])}")
         if t.get("order_bound") is not None:        # plans saved before it was reported have none
-            out.append(f"bound over every order of the transfers in their streams (the plan keeps Harmony's): "
-                       f"{t['order_bound']:.4f} s, gap {pct(t['order_gap'])}")
+            out.append(f"bound over every order of the transfers in their streams: {t['order_bound']:.4f} s, "
+                       f"gap {pct(t['order_gap'])}")
+        if o:
+            found = f"timeline model choosing the order of the swaps (CP-SAT {o['status'].lower()}): " \
+                    f"{o['objective']:.4f} s, bound {o['bound']:.4f} s"
+            if kept:
+                streams = f"{o['streams']} stream{'s' if o['streams'] > 1 else ''}"
+                out.append(f"{found}; its order ({streams} reordered) simulates in {o['simulated']:.4f} s "
+                           f"against {o['rule_simulated']:.4f} s in Harmony's: the plan carries it")
+            elif o["streams"]:
+                out.append(f"{found}; its order simulates in {o['simulated']:.4f} s, no faster than Harmony's: "
+                           f"the plan keeps Harmony's")
+            else:
+                out.append(f"{found}; no faster order found: the plan keeps Harmony's")
     return out
 
 
