@@ -1521,7 +1521,10 @@ def _timeline(S: _Search, plan_: Plan) -> tuple[dict | None, object]:
 
 
 def _solve_timeline(S: _Search, plan_: Plan, **kw):
-    """solve_timeline under the budget (see _timeline); None where too little of it is left."""
+    """solve_timeline under the budget (see _timeline); None where too little of it is left, or under
+    Harmony's cost model (the model schedules the default simulator's events)."""
+    if S.timeline_share <= 0:
+        return None
     events = S.events_of(plan_)
     slow = timeline_slowness(events)
     limit = min(1.0, 0.1 * S.opts.time_limit, (S.budget.left() - Budget.PER_TIMELINE_EVENT * events) / slow)

@@ -1183,3 +1183,13 @@ def test_the_judge_charges_the_events_its_simulator_played(cost_model):
     assert t == tl.iteration_time
     assert S.budget.used == pytest.approx(fixed + per_event * tl.meta["events"])
     assert cost_model == "default" or tl.meta["events"] > 4 * (len(hp.packs_fwd) + 2 * len(hp.packs_bwd))
+
+
+def test_under_harmonys_cost_model_the_timeline_model_stays_out():
+    """The timeline model schedules the default simulator's events, so under Harmony's cost model the
+    plan has no timeline report and carries no order of its own (Harmony's simulator plays its rule
+    only); the plan is still never slower than Harmony's search there."""
+    prof, hw = synthetic_profile(R=8, seed=3), get_hardware("1080ti-x4").with_gpus(2)
+    p = plan(prof, hw, 8, PlannerOptions(mode="vPP", gpus=2, time_limit=2, harmony_space=True, cost_model="harmony"))
+    assert p.cost_model == "harmony" and p.solver["timeline"] is None and p.transfer_order is None
+    assert p.solver["speedup_over_harmony"] >= 1 - 1e-9
