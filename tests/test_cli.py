@@ -170,3 +170,25 @@ def test_plan_says_when_harmonys_search_took_the_budget():
     assert hint_note({**starved, "speedup_over_harmony": 1.018}, 10.0) is None
     assert hint_note({**starved, "hint_work_s": 2.0}, 10.0) is None
     assert hint_note({"speedup_over_harmony": 1.0}, 10.0) is None          # a plan saved before the field
+
+
+def test_plan_says_whether_it_carries_the_timeline_models_order_of_the_swaps():
+    """The summary names the order the plan keeps: the timeline model's (with both simulated times),
+    or Harmony's when the model's is no faster or none was found; the timeline gap is then said to be
+    the rule order's."""
+    from harmony_opt.commands.planning import solver_summary
+    tl = {"status": "FEASIBLE", "objective": 3.5192, "bound": 3.4592, "gap": 0.0171, "order_bound": 3.4548,
+          "order_gap": 0.0183}
+    step7 = {"status": "OPTIMAL", "objective": 3.4702, "bound": 3.4565, "streams": 1, "simulated": 3.5396,
+             "rule_simulated": 3.5512, "kept": True}
+    kept = "\n".join(solver_summary({"timeline": {**tl, "transfer_order": step7}}))
+    assert "events in Harmony's transfer order (CP-SAT feasible): 3.5192 s" in kept
+    assert "its order (1 stream reordered) simulates in 3.5396 s against 3.5512 s in Harmony's: the plan carries it" \
+        in kept
+    slower = "\n".join(solver_summary({"timeline": {**tl, "transfer_order": {**step7, "simulated": 3.56,
+                                                                              "kept": False}}}))
+    assert "simulates in 3.5600 s, no faster than Harmony's: the plan keeps Harmony's" in slower
+    assert "in Harmony's transfer order" not in slower
+    none = "\n".join(solver_summary({"timeline": {**tl, "transfer_order": {**step7, "streams": 0, "kept": False}}}))
+    assert none.endswith("no faster order found: the plan keeps Harmony's")
+    assert "choosing the order" not in "\n".join(solver_summary({"timeline": {**tl, "transfer_order": None}}))

@@ -93,7 +93,8 @@ def _packers(text: str):
 def _describe(plan: Plan) -> str:
     return (f"{plan.mode} on {plan.gpus} GPU(s), microbatch fwd {plan.microbatch_fwd} / bwd {plan.microbatch_bwd}, "
             f"{len(plan.packs_fwd)} forward + {len(plan.packs_bwd)} backward packs"
-            + (", gradients kept on the GPU between backward packs" if plan.gpu_handoff else ""))
+            + (", gradients kept on the GPU between backward packs" if plan.gpu_handoff else "")
+            + (f", swaps in its own order on {len(plan.transfer_order)} stream(s)" if plan.transfer_order else ""))
 
 
 def _show(df: pd.DataFrame, width: int = 40) -> str:
