@@ -218,7 +218,9 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
 def carried_order(plan: Plan, profile: Profile, hw: Hardware, starts: list[float]) -> tuple[StreamOrder, ...] | None:
     """The order a schedule's start times give the streams a plan carries (``Plan.transfer_order``),
     for those where it is not Harmony's rule; None where it is the rule's everywhere. Ties go to the
-    event made first, so the order keeps every dependency (an event's are all made before it)."""
+    event made first: the simulator makes an event after those it waits on (all-reduces and CPU
+    updates aside, which wait on other replicas), so zero-length ties keep their dependencies; an
+    order the simulator still cannot play is refused there (PlanError), and the planner keeps the rule's."""
     sim = _Expansion(plan.replace(transfer_order=None), profile, hw, int(plan.memory_cap or hw.gpu_memory_bytes),
                      plan.prefetch)
     sim.build()
