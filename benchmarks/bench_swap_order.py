@@ -44,10 +44,9 @@ from harmony_opt.bundled import load_profile  # noqa: E402
 from harmony_opt.hardware import get_hardware  # noqa: E402
 from harmony_opt.io import atomic_write_text  # noqa: E402
 from harmony_opt.reproduce import machine_description, markdown_table  # noqa: E402
-from harmony_opt.simulator import _Expansion  # noqa: E402
-from solver_models.planner import PlannerOptions, plan  # noqa: E402
 from harmony_opt.simulator import simulate  # noqa: E402
-from solver_models.timeline import TRANSFER_STREAMS, carried_order, solve_timeline  # noqa: E402
+from solver_models.planner import PlannerOptions, plan  # noqa: E402
+from solver_models.timeline import solve_timeline  # noqa: E402
 
 GiB = 2**30
 MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")
@@ -57,17 +56,6 @@ def cases():
     for batch, gpus in ((64, 4), (32, 2)):
         for m in MODELS:
             yield m, batch, gpus, int(9e9 if batch == 64 and m in ("bert_96", "gpt2_xl") else 10 * GiB)
-
-
-def moved(plan_, profile, hw, starts: list[float]) -> int:
-    """Transfers whose place in their stream differs from the rule's, in a schedule's start times."""
-    sim = _Expansion(plan_, profile, hw, int(plan_.memory_cap), plan_.prefetch)
-    sim.build()
-    n = 0
-    for (_, stream), q in sim.streams.items():
-        if stream in TRANSFER_STREAMS:
-            n += sum(a != b for a, b in zip(q, sorted(q, key=lambda k: (starts[k], k))))
-    return n
 
 
 def run_case(model, batch, gpus, cap, plan_limit, time_limit) -> dict:
@@ -82,7 +70,7 @@ def run_case(model, batch, gpus, cap, plan_limit, time_limit) -> dict:
     free = solve_timeline(p, profile, hw, time_limit=time_limit, order="free", hint=fixed.starts)
     free_wall = time.perf_counter() - t0
     carried = solve_timeline(p, profile, hw, time_limit=time_limit, order="carried", hint=fixed.starts)
-    order = carried_order(p, profile, hw, carried.starts)
+    order = carried.order
     carried_sim = sim if order is None else \
         simulate(p.replace(transfer_order=order), profile, hw, with_timeline=False).iteration_time
     return {
@@ -93,7 +81,7 @@ def run_case(model, batch, gpus, cap, plan_limit, time_limit) -> dict:
         "order_bound_s": fixed.order_bound_s, "order_gap": 1 - fixed.order_bound_s / sim,
         "free_status": free.status, "free_objective_s": free.makespan_s, "free_bound_s": free.bound_s,
         "order_gain": 1 - free.makespan_s / fixed.makespan_s,
-        "moved": moved(p, profile, hw, free.starts), "free_wall_s": free_wall,
+        "moved": free.moved, "free_wall_s": free_wall,
         "proven_order_gap": 1 - max(fixed.order_bound_s, free.bound_s) / sim,
         "carried_objective_s": carried.makespan_s, "ordered_streams": len(order or ()),
         "carried_simulated_s": carried_sim, "carried_gain": 1 - carried_sim / sim,

@@ -47,7 +47,7 @@ from collections import defaultdict
 import networkx as nx
 
 from .errors import PlanError
-from .plan import Plan, transfer_key
+from .plan import Plan, in_order, transfer_key
 from .program import (CHANNELS, Effects, Instr, Kind, LayerBytes, Program, Stream, Tensor, effects, plan_identity)
 
 I, O, S, R, F, C, B, U, A, D = (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV, Kind.FWD, Kind.REC, Kind.BWD,
@@ -503,19 +503,16 @@ def follow_order(drafts: list[Instr], plan: Plan, rank: int) -> tuple[list[Instr
     for i, deps in enumerate(dependencies(drafts, plan.num_layers)):
         g.add_edges_from((d, i) for d in deps)
     notes = []
-    for stream in (Stream.COMPUTE, Stream.SWAP_IN, Stream.SWAP_OUT, Stream.CPU):
+    for stream in filter(_fifo, Stream):
         seq = [i for i, x in enumerate(drafts) if x.stream is stream and x.kind is not D]     # a free waits on nothing
         keys = orders.get(stream.value)
         if keys:
-            place = {k: p for p, k in enumerate(keys)}
-            named = [i for i in seq if place.get(instruction_key(drafts[i])) is not None]
-            moved = iter(sorted(named, key=lambda i: place[instruction_key(drafts[i])]))
-            slots = set(named)
-            seq = [next(moved) if i in slots else i for i in seq]
-            if len(named) < len(keys):
-                notes.append(f"transfer order, rank {rank} {stream.value}: {len(keys) - len(named)} of the "
-                             f"{len(keys)} transfers it names have no instruction of their own here; the rest "
-                             f"follow it")
+            name = {i: instruction_key(drafts[i]) for i in seq}
+            seq = in_order(seq, name.get, keys)
+            missing = len(set(keys) - set(name.values()))
+            if missing:
+                notes.append(f"transfer order, rank {rank} {stream.value}: {missing} of the {len(keys)} transfers "
+                             f"it names have no instruction of their own here; the rest follow it")
         g.add_edges_from(zip(seq, seq[1:]))
     try:
         order = list(nx.lexicographical_topological_sort(g, key=lambda i: i))

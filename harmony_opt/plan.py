@@ -77,6 +77,15 @@ def transfer_key(tensor: str, layer: int, offset: int, size: int) -> str:
 StreamOrder = tuple[int, str, tuple[str, ...]]
 
 
+def in_order(items: list, name, keys: tuple[str, ...]) -> list:
+    """``items`` (one stream, in the rule's order) in a ``transfer_order`` stream's order: those ``keys``
+    names (``name(item)``) take the places the named ones held, in its order; the rest keep theirs.
+    The simulator and the compiler order their streams with it."""
+    place = {k: p for p, k in enumerate(keys)}
+    named = iter(sorted((x for x in items if name(x) in place), key=lambda x: place[name(x)]))
+    return [next(named) if name(x) in place else x for x in items]
+
+
 def split_microbatches(total: int, u: int) -> list[int]:
     """``[u] * (total // u)`` plus the remainder, if any (Harmony's ``ubatchszs``)."""
     if u < 1:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .errors import PlanError
 from .hardware import Hardware
-from .plan import Plan, transfer_key
+from .plan import Plan, in_order, transfer_key
 from .profile import Profile
 from .taskgraph import (SOURCE_TENSOR, Medium, Task, TaskKind, TaskNode, Tensor, compose, placement, task_memories,
                         task_memory)
@@ -211,29 +211,26 @@ class _Expansion:
             layer = a
         sweep = e.node.sweep
         if sweep is not None:       # naive swapping: the sweep's one microbatch, at its place in the share
-            size = node.microbatches[0] if node.microbatches else self.plan.microbatches("FWD", e.rank)[sweep]
-            return transfer_key(e.kind, layer, sweep * self.plan.microbatch_fwd, size)
-        if e.kind in ("dW", "WK", "W", "K"):
+            return transfer_key(e.kind, layer, sweep * self.plan.microbatch_fwd, node.microbatches[0])
+        if e.kind in ("dW", "WK"):  # a whole pack's
             return transfer_key(e.kind, layer, 0, 0)
         sizes = node.microbatches
         return transfer_key(e.kind, layer, sum(sizes[:e.microbatch]), sizes[e.microbatch])
 
     def _reorder(self, rank: int, stream: str, keys: tuple[str, ...]) -> None:
-        """The transfers ``keys`` names take the places the named ones held in the stream, in its
-        order; the others keep theirs (as compiler.follow_order issues them)."""
+        """The stream in the plan's order (plan.in_order, as compiler.follow_order issues it)."""
         queue = self.streams.get((rank, stream), [])
-        by_key = {self.key(eid): eid for eid in queue}
+        name = {eid: self.key(eid) for eid in queue}
+        names = set(name.values())
         where = f"plan field transfer_order: rank {rank} stream {stream}"
-        if len(by_key) != len(queue):           # a bug: two transfers of one stream with one name
-            raise PlanError(f"{where}: {len(queue) - len(by_key)} transfers share a name; this plan's order "
+        if len(names) != len(queue):            # a bug: two transfers of one stream with one name
+            raise PlanError(f"{where}: {len(queue) - len(names)} transfers share a name; this plan's order "
                             f"cannot be carried")
-        unknown = [k for k in keys if k not in by_key]
+        unknown = [k for k in keys if k not in names]
         if unknown:
             raise PlanError(f"{where} names {unknown[0]}, which this plan does not move there ({len(unknown)} such); "
                             f"the order belongs to another plan: re-plan, or drop transfer_order")
-        named = iter(by_key[k] for k in keys)
-        slots = {by_key[k] for k in keys}
-        self.streams[(rank, stream)] = [next(named) if eid in slots else eid for eid in queue]
+        self.streams[(rank, stream)] = in_order(queue, name.get, keys)
 
     def _task(self, node: TaskNode, last_on_rank: dict) -> None:
         """The events of a forward or backward task, microbatch by microbatch."""

@@ -25,10 +25,10 @@ The order inside the transfer streams is the plan's: Harmony's rule, or the orde
 (``Plan.transfer_order``). ``order_bound_s`` proves how much any other order could gain: the same
 floor with the order of the transfer streams left free (``ORDER_FREE``). ``order="carried"`` lets
 CP-SAT choose the order of the streams a plan can carry (``plan.ORDERED_STREAMS``: activation
-swap-ins and swap-outs, and the release of memory; ``NoOverlap`` per stream), and
-:func:`carried_order` turns its schedule into the plan's order: the planner keeps it where the
-simulator plays it faster. ``order="free"`` frees the weights' swap-ins and the P2P transfers as
-well, which a plan cannot carry (benchmarks/bench_swap_order.py measures it).
+swap-ins and swap-outs, and the release of memory; ``NoOverlap`` per stream), and its result
+carries the schedule's order as the plan's (``TimelineResult.order``): the planner keeps it where
+the simulator plays it faster. ``order="free"`` frees the weights' swap-ins and the P2P
+transfers as well, which a plan cannot carry (benchmarks/bench_swap_order.py measures it).
 """
 from __future__ import annotations
 
@@ -74,6 +74,11 @@ class TimelineResult:
     wall_time: float
     starts: list                 # start time (s) of every event, in the simulator's event order
     order_bound_s: float = float("nan")   # no schedule in any order of the ORDER_FREE streams ends sooner
+    # where CP-SAT chose an order (order "carried" or "free"): the order of the streams a plan carries in
+    # this schedule, where it is not Harmony's rule (None: the rule's everywhere), as Plan.transfer_order;
+    # and how many transfers run in another place of their stream than the rule's
+    order: tuple[StreamOrder, ...] | None = None
+    moved: int = 0
 
     @property
     def gap(self) -> float | None:
@@ -201,8 +206,9 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
         if report:
             report(f"timeline: {len(ev)} events, CP-SAT {name.lower()} in its time: the simulator's schedule "
                    f"{hinted / SCALE:.4f} s (bound {floor / SCALE:.4f} s)")
-        return TimelineResult(HINT, hinted / SCALE, floor / SCALE, simulated, len(ev), wall,
-                              [h / SCALE for h in at], order_bound)
+        starts = [h / SCALE for h in at]
+        return TimelineResult(HINT, hinted / SCALE, floor / SCALE, simulated, len(ev), wall, starts, order_bound,
+                              *_schedule_order(sim, starts, ORDERS[order]))
     # a search stopped by its budget before propagating may report a bound of 0; the floor holds for
     # every schedule of these events all the same
     bound = max(solver.best_objective_bound, floor)
@@ -211,27 +217,29 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
                f"(bound {bound / SCALE:.4f} s), simulator {simulated:.4f} s")
     if order == "free":             # CP-SAT's bound holds for every order
         order_bound = bound / SCALE
-    return TimelineResult(name, solver.objective_value / SCALE, bound / SCALE, simulated,
-                          len(ev), wall, [solver.value(s) / SCALE for s in start], order_bound)
+    starts = [solver.value(s) / SCALE for s in start]
+    return TimelineResult(name, solver.objective_value / SCALE, bound / SCALE, simulated, len(ev), wall, starts,
+                          order_bound, *_schedule_order(sim, starts, ORDERS[order]))
 
 
-def carried_order(plan: Plan, profile: Profile, hw: Hardware, starts: list[float]) -> tuple[StreamOrder, ...] | None:
-    """The order a schedule's start times give the streams a plan carries (``Plan.transfer_order``),
-    for those where it is not Harmony's rule; None where it is the rule's everywhere. Ties go to the
-    event made first: the simulator makes an event after those it waits on (all-reduces and CPU
-    updates aside, which wait on other replicas), so zero-length ties keep their dependencies; an
-    order the simulator still cannot play is refused there (PlanError), and the planner keeps the rule's."""
-    sim = _Expansion(plan.replace(transfer_order=None), profile, hw, int(plan.memory_cap or hw.gpu_memory_bytes),
-                     plan.prefetch)
-    sim.build()
-    out = []
+def _schedule_order(sim: _Expansion, starts: list[float], free: tuple[str, ...]) -> tuple[tuple | None, int]:
+    """(the order of a schedule in the streams a plan carries, as Plan.transfer_order, for those whose
+    order is free and not Harmony's rule, or None; the transfers of the free ones in another place
+    than the rule's). The rule runs a stream's events in the order the simulator made them, ``sim``'s
+    with the plan's own order aside, so ties go to the event made first: the simulator makes an event
+    after those it waits on (all-reduces and CPU updates aside, which wait on other replicas), so
+    zero-length ties keep their dependencies; an order the simulator still cannot play is refused
+    there (PlanError), and the planner keeps the rule's."""
+    out, moved = [], 0
     for (rank, stream), q in sorted(sim.streams.items()):
-        if stream not in ORDERED_STREAMS:
+        if stream not in free:
             continue
-        new = sorted(q, key=lambda k: (starts[k], k))
-        if new != q:
+        rule, new = sorted(q), sorted(q, key=lambda k: (starts[k], k))
+        if stream in TRANSFER_STREAMS:
+            moved += sum(a != b for a, b in zip(rule, new))
+        if new != rule and stream in ORDERED_STREAMS:
             out.append((rank, stream, tuple(sim.key(k) for k in new)))
-    return tuple(out) or None
+    return tuple(out) or None, moved
 
 
 def link_resources(ev, hw: Hardware) -> dict:

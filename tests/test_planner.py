@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from harmony_opt import InfeasibleError, get_hardware, load_profile
 from harmony_opt.baselines import plan_harmony
 from harmony_opt.compiler import compile_plan
-from harmony_opt.plan import Plan, split_microbatches
+from harmony_opt.plan import ORDERED_STREAMS, Plan, split_microbatches
 from harmony_opt.program import validate_program
 from harmony_opt.simulator import simulate
 from solver_models import chain, dp, pipeline, search
@@ -845,21 +845,24 @@ def test_order_bound_holds_for_every_order_of_the_transfers():
 def test_a_plan_carries_the_order_of_the_swaps_the_timeline_model_chose():
     """The timeline model with the order of the carried streams free (``order="carried"``) beats the
     rule's order on four vDP replicas sharing one link; the plan carrying its order
-    (``carried_order``) has that schedule as its own: the fixed-order model of the ordered plan
+    (``TimelineResult.order``) has that schedule as its own: the fixed-order model of the ordered plan
     reaches it (within the stop gap), below the rule order's optimum, and simulates it."""
-    from solver_models.timeline import carried_order, solve_timeline
+    from harmony_opt.simulator import _Expansion
+    from solver_models.timeline import _schedule_order, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
     p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
     rule = solve_timeline(p, prof, hw, time_limit=10, rel_gap=0)
     chosen = solve_timeline(p, prof, hw, time_limit=10, order="carried", hint=rule.starts, rel_gap=0)
     assert rule.status == chosen.status == "OPTIMAL" and chosen.makespan_s < rule.makespan_s - 1e-4
-    order = carried_order(p, prof, hw, chosen.starts)
+    order = chosen.order
     assert order and {s for _, s, _ in order} <= {"swap_in", "swap_out", "free"}
     ordered = p.replace(transfer_order=order)
     own = solve_timeline(ordered, prof, hw, time_limit=10, rel_gap=0)
     assert own.status == "OPTIMAL" and own.makespan_s == pytest.approx(chosen.makespan_s, abs=1e-6)
     assert simulate(ordered, prof, hw).iteration_time > 0
-    assert carried_order(p, prof, hw, rule.starts) is None          # the rule's own schedule: no order to carry
+    sim = _Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
+    sim.build()
+    assert _schedule_order(sim, rule.starts, ORDERED_STREAMS)[0] is None    # the rule's own schedule: no order
 
 
 def test_the_planner_carries_an_order_the_simulator_plays_faster():
