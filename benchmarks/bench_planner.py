@@ -5,7 +5,8 @@ cap 9e9 bytes for bert_96 and gpt2_xl, 10 GiB otherwise) and at D = 32 on 2 GPUs
 both modes (10 GiB). For each case:
 
 * ``harmony``: Harmony's search at the case's mode and GPU count with its published
-  packing heuristics, scored by the default simulator;
+  packing heuristics, scored by the default simulator; like every planner's, its plans are held
+  to what runs under the cap (harmony_opt.memory.fit_to_program);
 * ``ours``: the CP-SAT planner with the full decision space on the case's hardware (up to
   the case's GPUs; mode, GPU count, microbatch sizes, packs and per-pack options chosen);
 * ``ours_harmony_space``: the CP-SAT planner restricted to Harmony's space (the case's
@@ -37,13 +38,16 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harmony_opt.baselines import plan_harmony  # noqa: E402
+from harmony_opt.baselines import get_planner  # noqa: E402
 from harmony_opt.bundled import load_profile  # noqa: E402
 from harmony_opt.hardware import get_hardware  # noqa: E402
 from harmony_opt.io import atomic_write_text  # noqa: E402
 from harmony_opt.reproduce import machine_description, markdown_table  # noqa: E402
 from harmony_opt.simulator import simulate  # noqa: E402
 from solver_models.planner import PlannerOptions, plan  # noqa: E402
+
+#: Harmony's search, its plans held to what runs (harmony_opt.memory.fit_to_program), as ours are
+harmony = get_planner("harmony")
 
 GiB = 2**30
 MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")
@@ -68,7 +72,7 @@ def run_case(model, batch, mode, gpus, cap, time_limit, workers, wall_limit, pro
     profile = load_profile(model)
     hw = get_hardware("1080ti-x4").with_gpus(gpus)
     t0 = time.perf_counter()
-    hp = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=gpus)
+    hp = harmony(profile, hw, batch, cap, mode=mode, gpus=gpus)
     harmony_s = time.perf_counter() - t0
     ours = plan(profile, hw, batch, PlannerOptions(time_limit=time_limit, workers=workers, uneven=True,
                                                    processes=processes),
@@ -113,9 +117,9 @@ def run_case(model, batch, mode, gpus, cap, time_limit, workers, wall_limit, pro
     })
     # Harmony's decision space under Harmony's cost model
     t0 = time.perf_counter()
-    h_all = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=gpus, packing_fwd="all", packing_bwd="all",
+    h_all = harmony(profile, hw, batch, cap, mode=mode, gpus=gpus, packing_fwd="all", packing_bwd="all",
                          cost_model="harmony")
-    h_pub = plan_harmony(profile, hw, batch, cap, mode=mode, gpus=gpus, cost_model="harmony")
+    h_pub = harmony(profile, hw, batch, cap, mode=mode, gpus=gpus, cost_model="harmony")
     hs = plan(profile, hw, batch, PlannerOptions(mode=mode, gpus=gpus, time_limit=time_limit, workers=workers,
                                                  processes=processes,
                                                  harmony_space=True, cost_model="harmony"), memory_cap=cap)

@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from .hardware import Hardware
-from .memory import check_layers_fit, max_pack_end
+from .memory import check_layers_fit, fit_to_program, max_pack_end
 from .host_memory import require_fits
 from .plan import Plan, data_shares, split_microbatches
 from .profile import Profile
@@ -302,10 +302,16 @@ PLANNERS = {
 
 
 def get_planner(name: str):
+    """The baseline ``name``, whose plans' compiled programs fit the cap (memory.fit_to_program)."""
     key = name.lower().replace("_", "-")
     if key not in PLANNERS:
         raise UsageError(f"unknown planner {name!r}; valid: {', '.join(PLANNERS)}")
-    return PLANNERS[key]
+    make = PLANNERS[key]
+
+    def planner(profile, hw, batch, cap, **kw):
+        return fit_to_program(lambda c: make(profile, hw, batch, c, **kw), int(cap), profile,
+                              who=f"{key}'s plan of {profile.name}")
+    return planner
 
 
 __all__ = ["PLANNERS", "get_planner", "score", "played", "iteration_floor", "plan_harmony", "plan_naive_swap", "plan_l2l",

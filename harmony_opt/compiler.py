@@ -33,10 +33,13 @@ The lowering is a chain of pure passes:
 4. :func:`follow_order`: where the plan carries its own transfer order
    (``Plan.transfer_order``, chosen by the planner's timeline model), each rank's swap-ins and
    swap-outs are issued in it; everything else keeps its place up to what they depend on.
-5. :func:`add_waits`: ids, and every instruction's ``waits_on`` derived from what it
+5. :func:`fit_swap_ins`: with layer sizes and a memory cap, each swap-in is issued only once
+   its bytes fit under the cap (the simulator's rule: a swap-in starts when there is room), at
+   the latest just before what reads it, so a prefetch never pushes the rank over its cap.
+6. :func:`add_waits`: ids, and every instruction's ``waits_on`` derived from what it
    reads and writes (:func:`harmony_opt.program.effects`), leaving out what the order
    of its own stream already implies.
-6. :func:`add_bytes`: byte sizes, when layer sizes are known.
+7. :func:`add_bytes`: byte sizes, when layer sizes are known.
 """
 from __future__ import annotations
 
@@ -522,6 +525,83 @@ def follow_order(drafts: list[Instr], plan: Plan, rank: int) -> tuple[list[Instr
     return [drafts[i] for i in order], notes
 
 
+def fit_swap_ins(drafts: list[Instr], num_layers: int, sizes: LayerBytes, cap: int) -> list[Instr]:
+    """Issue each swap-in as early as the rule's order has it, but no earlier than where its bytes
+    fit under ``cap`` until it is used, given what is live then (the simulator's rule, which
+    reserves a task's memory when it starts and starts a swap-in when there is room), and at the
+    latest just before the first instruction that uses its tensor or overwrites the host rows it
+    reads. The swap-in stream keeps its order. Where even that last place does not fit, the
+    validator names the instruction."""
+    everything = [effects(x, num_layers) for x in drafts]
+    rest = [x for x in drafts if x.kind is not I]
+    eff = [e for x, e in zip(drafts, everything) if x.kind is not I]
+    ins = [(x, e) for x, e in zip(drafts, everything) if x.kind is I]
+    if not ins:
+        return list(drafts)
+    # for every swap-in: the gap (place before rest[g]) the rule's order gives it, and its last one
+    first, seen = [], 0
+    for x in drafts:
+        if x.kind is I:
+            first.append(seen)
+        else:
+            seen += 1
+    last = []
+    for (_, e), g0 in zip(ins, first):
+        keys = set(e.allocs)
+        last.append(next((g for g in range(g0, len(rest)) if _uses(eff[g], keys, e.host_reads)), len(rest)))
+    need = [sum(sizes.alloc_bytes(x, k) for k in e.allocs) for x, e in ins]
+    # live bytes at each instruction of ``rest`` with every swap-in just in time
+    arrive = defaultdict(list)
+    for i, g in enumerate(last):
+        arrive[g].append(i)
+    held: dict[tuple, int] = {}
+    live, base = 0, [0] * len(rest)
+    for g, e in enumerate(eff):
+        for i in arrive[g]:
+            x, xe = ins[i]
+            for k in xe.allocs:
+                held[k] = sizes.alloc_bytes(x, k)
+                live += held[k]
+        for k in e.allocs:
+            held[k] = sizes.alloc_bytes(rest[g], k)
+            live += held[k]
+        base[g] = live
+        for k in e.frees:
+            live -= held.pop(k, 0)
+    # earliest gap from which each swap-in fits until it is used, in stream order
+    place, floor = [], 0
+    for i in range(len(ins)):
+        hi = last[i]
+        lo = min(max(first[i], floor), hi)     # stream order, unless it would come after the tensor's use
+        g, top = hi, 0
+        for h in range(hi - 1, lo - 1, -1):
+            top = max(top, base[h])
+            if top + need[i] > cap:
+                break
+            g = h
+        for h in range(g, hi):
+            base[h] += need[i]
+        place.append(g)
+        floor = g
+    out: list[Instr] = []
+    by_gap = defaultdict(list)
+    for i, g in enumerate(place):
+        by_gap[g].append(ins[i][0])
+    for g, x in enumerate(rest):
+        out += by_gap[g]
+        out.append(x)
+    return out + by_gap[len(rest)]
+
+
+def _uses(e: Effects, keys: set, host_reads: tuple) -> bool:
+    """Whether an instruction with effects ``e`` needs a swap-in (allocating ``keys`` from the host
+    rows ``host_reads``) done first: it uses the tensor or overwrites the rows."""
+    if keys & set(e.reads + e.updates + e.frees):
+        return True
+    return any(buf == pb and (rows is None or prow is None or _overlap(rows, *prow))
+               for buf, rows in e.host_writes for pb, prow in host_reads)
+
+
 def _overlap(rows: Rows | None, lo: int | None, n: int | None) -> bool:
     if rows is None or lo is None:
         return True
@@ -536,7 +616,7 @@ def add_bytes(ins: tuple[Instr, ...], sizes: LayerBytes, num_layers: int) -> tup
         keys = {O: e.reads, S: e.reads, A: e.updates, D: e.frees}.get(x.kind, e.allocs)
         if x.kind is U:
             keys = tuple(("W", l) for l in x.layer_range)
-        out.append(x.replace(bytes=sum(sizes.key_bytes(k) for k in keys)))
+        out.append(x.replace(bytes=sum(sizes.alloc_bytes(x, k) for k in keys)))
     return tuple(out)
 
 
@@ -552,8 +632,10 @@ def _check_sweeps(plan: Plan) -> None:
                         f"{', '.join(map(str, counts))}; use a minibatch or microbatch size that splits evenly")
 
 
-def compile_plan(plan: Plan, *, layer_bytes: LayerBytes | None = None) -> Program:
-    """Lower ``plan`` to a Program (see the module docstring for the passes)."""
+def issue_order(plan: Plan, layer_bytes: LayerBytes | None = None,
+                memory_cap: int | None = None) -> tuple[list[list[Instr]], tuple[str, ...]]:
+    """Passes 1-5: every rank's instructions in issue order (no ids, no waits), and the notes. What
+    :func:`harmony_opt.memory.program_memory` replays: the memory of a program is settled here."""
     if layer_bytes is not None and layer_bytes.num_layers != plan.num_layers:
         raise PlanError(f"layer bytes describe {layer_bytes.num_layers} layers but the plan has {plan.num_layers}")
     _check_sweeps(plan)
@@ -563,6 +645,16 @@ def compile_plan(plan: Plan, *, layer_bytes: LayerBytes | None = None) -> Progra
     for r, d in enumerate(drafts):
         drafts[r], more = follow_order(d, plan, r)
         notes += tuple(more)
+    cap = memory_cap if memory_cap is not None else plan.memory_cap
+    if layer_bytes is not None and cap:
+        drafts = [fit_swap_ins(d, plan.num_layers, layer_bytes, int(cap)) for d in drafts]
+    return drafts, notes
+
+
+def compile_plan(plan: Plan, *, layer_bytes: LayerBytes | None = None, memory_cap: int | None = None) -> Program:
+    """Lower ``plan`` to a Program (see the module docstring for the passes); with ``layer_bytes``,
+    swap-ins wait for room under ``memory_cap`` (default: the plan's)."""
+    drafts, notes = issue_order(plan, layer_bytes, memory_cap)
     ranks = [add_waits(d, plan.num_layers) for d in drafts]
     if layer_bytes is not None:
         ranks = [add_bytes(x, layer_bytes, plan.num_layers) for x in ranks]

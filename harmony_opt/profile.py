@@ -8,7 +8,11 @@ A Profile is two tables (DESIGN.md):
   BWD; BWD includes the recompute of the forward), ``microbatch``, ``layer``,
   ``gpu_time_s``, ``peak_memory_bytes``, ``input_bytes``, and optionally
   ``saved_bytes`` (activations autograd keeps for the layer's backward, used by
-  the stash-instead-of-recompute option).
+  the stash-instead-of-recompute option), ``saved_storage_bytes`` (the same, each
+  storage once, as a recompute's graph holds them), ``saved_input_bytes`` and
+  ``saved_output_bytes`` (how many of those are the layer's own input, which a
+  recompute shares with the input the runtime holds anyway, and its output, which
+  the next layer of a pack may save again).
 
 plus ``meta.json``. Every quantity of a contiguous pack ``[a, b]`` (inclusive) at a
 microbatch size ``u`` is answered in O(1) from prefix sums computed once per
@@ -49,7 +53,9 @@ MICROBATCH_COLUMNS = {
     "peak_memory_bytes": "int",
     "input_bytes": "int",
 }
-OPTIONAL_MICROBATCH_COLUMNS = {"saved_bytes": "int"}
+OPTIONAL_MICROBATCH_COLUMNS = {"saved_bytes": "int", "saved_storage_bytes": "int", "saved_input_bytes": "int",
+                               "saved_output_bytes": "int"}
+_RECOMPUTE_COLUMNS = ("saved_storage_bytes", "saved_input_bytes", "saved_output_bytes")
 
 #: Anything above this is not a per-layer quantity of a real model (1 PB); it flags unit mistakes.
 _MAX_BYTES = 10**15
@@ -144,6 +150,13 @@ class Profile:
             tables[phase] = (sizes, get("gpu_time_s", np.float64),
                              get("peak_memory_bytes", np.float64), get("input_bytes", np.int64), saved)
         object.__setattr__(self, "_tables", tables)
+        bwd = self.microbatch[self.microbatch["phase"] == "BWD"]
+        recompute = None
+        if set(_RECOMPUTE_COLUMNS) <= set(bwd):
+            piv = bwd.pivot(index="microbatch", columns="layer")
+            recompute = tuple(piv[c].reindex(index=tables["BWD"][0], columns=range(R)).to_numpy(np.float64)
+                              for c in _RECOMPUTE_COLUMNS)
+        object.__setattr__(self, "_recompute_saved", recompute)
         object.__setattr__(self, "_cache", {})
 
     @property
@@ -211,6 +224,17 @@ class Profile:
         else:
             saved_b = np.trunc(saved).astype(np.int64)
         return PhaseCosts.build(phase, u, time, memory, inputs, saved_b)
+
+    def recompute_saved_at(self, u: int) -> tuple[np.ndarray, ...] | None:
+        """Per layer at microbatch ``u``: the saved activations' storages and how many of those bytes
+        are the layer's own input and output (``saved_storage_bytes``, ``saved_input_bytes``,
+        ``saved_output_bytes``, interpolated like the other columns); None where the profile does
+        not have them."""
+        if self._recompute_saved is None:
+            return None
+        sizes = self._tables["BWD"][0]
+        return tuple(np.array([np.interp(u, sizes, col[:, l]) for l in range(self.num_layers)])
+                     for col in self._recompute_saved)
 
     def input_bytes_at(self, u: int) -> np.ndarray:
         """Input activation bytes of every layer at microbatch ``u`` (shape [R])."""
@@ -311,11 +335,12 @@ def _phase(phase: str) -> str:
 def _estimate_saved(profile: Profile, phase: str, u: int, memory: np.ndarray, inputs: np.ndarray) -> np.ndarray:
     """Activation bytes autograd saves per layer, when the profile did not measure them.
 
-    Estimated as the BWD peak minus the FWD peak at the same size (the backward's extra
-    memory is mostly what the forward saved), never less than the layer's input. At a size
-    only one phase profiled (Harmony's profiles go to larger forward sizes), the estimate at
-    the nearest size both profiled, scaled by size: activations grow with the microbatch, and
-    the layer's input alone would undercount a large forward microbatch's stash some twentyfold.
+    Estimated as the BWD peak minus the FWD peak at the same size, less the weight gradients
+    (the backward's extra memory is dW and what the forward saved), never less than the
+    layer's input. At a size only one phase profiled (Harmony's profiles go to larger forward
+    sizes), the estimate at the nearest size both profiled, scaled by size: activations grow
+    with the microbatch, and the layer's input alone would undercount a large forward
+    microbatch's stash some twentyfold.
     Profiles made by ``harmony-opt profile`` measure it instead (``saved_bytes``).
     """
     fwd_lo, fwd_hi = profile.size_range("FWD")
@@ -337,7 +362,8 @@ def _estimate_saved(profile: Profile, phase: str, u: int, memory: np.ndarray, in
         x0, x1 = sizes[k - 1], sizes[k]
         other_mem = (m[k] - m[k - 1]) / (x1 - x0) * (u - x0) + m[k - 1]
     bwd_mem, fwd_mem = (memory, other_mem) if phase == "BWD" else (other_mem, memory)
-    est = np.maximum(np.asarray(bwd_mem, dtype=np.float64) - np.asarray(fwd_mem, dtype=np.float64), 0)
+    grads = np.diff(profile._static["param_bytes"])        # the backward's peak holds dW as well
+    est = np.maximum(np.asarray(bwd_mem, dtype=np.float64) - np.asarray(fwd_mem, dtype=np.float64) - grads, 0)
     return np.maximum(np.trunc(est).astype(np.int64), inputs[:-1])
 
 

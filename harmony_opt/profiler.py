@@ -15,7 +15,9 @@ one layer at a time is moved to the GPU and back). Per layer and size it records
 * ``peak_memory_bytes``: on CUDA, ``torch.cuda.max_memory_allocated`` while running
   the layer alone (W, B, X, Y, gradients, workspace). On the CPU it is an analytic
   estimate, since the CPU allocator keeps no peak: FWD = params + buffers + input +
-  output; BWD = that + gradients (= params) + saved activations.
+  output; BWD = that + gradients (= params) + saved activations + the input's gradient
+  (what the runtime holds while a backward runs: its input, the output's gradient, the
+  saved activations, dW and dX).
 * ``input_bytes``: bytes of the layer's input tensor; ``saved_bytes``: bytes of the
   tensors autograd saves for the layer's backward (found with
   ``torch.autograd.graph.saved_tensors_hooks``, each storage counted once, parameters
@@ -62,6 +64,9 @@ class Measurement:
     bwd_peak: int
     input_bytes: int
     saved_bytes: int
+    saved_storage_bytes: int = 0
+    saved_input_bytes: int = 0
+    saved_output_bytes: int = 0
 
 
 def profile_model(model: LayeredModel, microbatches: list[int], device: str = "cpu", *, repeats: int = 3,
@@ -115,7 +120,7 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
                     rows.extend(_rows(l, u, m))
                     acts[u] = out
             bar.update(1)
-    meta = _meta(model, dev, optimizer, repeats, warmup, skipped, threads)
+    meta = _meta(model, dev, optimizer, repeats, warmup, skipped, threads, _target_bytes(batches))
     micro = pd.DataFrame(rows).sort_values(["phase", "microbatch", "layer"], ascending=[False, True, True])
     return Profile(model.name, pd.DataFrame(static_rows), micro.reset_index(drop=True), meta)
 
@@ -185,19 +190,21 @@ def _measure(layer, x_host, target_host, dev, repeats, warmup, base) -> tuple[Me
     layer.zero_grad(set_to_none=True)   # the peak run allocates the gradients, as a first backward does
     _, bwd_peak = _peak(bwd, dev, base)
     bwd_time = _mean_time(bwd, dev, repeats)
-    saved = saved_bytes(layer, x, target)
+    saved, saved_storage, saved_input, saved_output = saved_counts(layer, x, target)
     x_bytes = tensor_bytes(x)
     if dev.type == "cpu":
         w, b = _param_bytes(layer), _buffer_bytes(layer)
         fwd_peak = w + b + x_bytes + out_bytes
-        bwd_peak = fwd_peak + w + saved
-    m = Measurement(fwd_time, bwd_time, fwd_peak, bwd_peak, x_bytes, saved)
+        bwd_peak = fwd_peak + w + saved + (x_bytes if x.is_floating_point() else 0)   # + dX
+    m = Measurement(fwd_time, bwd_time, fwd_peak, bwd_peak, x_bytes, saved, saved_storage, saved_input, saved_output)
     return m, (None if target is not None else out_host)
 
 
 def _rows(layer: int, u: int, m: Measurement) -> list[dict]:
     return [{"phase": phase, "microbatch": u, "layer": layer, "gpu_time_s": t, "peak_memory_bytes": int(peak),
-             "input_bytes": m.input_bytes, "saved_bytes": m.saved_bytes}
+             "input_bytes": m.input_bytes, "saved_bytes": m.saved_bytes,
+             "saved_storage_bytes": m.saved_storage_bytes, "saved_input_bytes": m.saved_input_bytes,
+             "saved_output_bytes": m.saved_output_bytes}
             for phase, t, peak in (("FWD", m.fwd_time, m.fwd_peak), ("BWD", m.bwd_time, m.bwd_peak))]
 
 
@@ -257,13 +264,25 @@ def _release(dev: torch.device) -> None:
 
 
 def saved_bytes(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None = None) -> int:
-    """Bytes of the activations autograd saves for ``layer``'s backward on input ``x``.
+    """Bytes of the activations autograd saves for ``layer``'s backward on input ``x`` (see saved_counts)."""
+    return saved_counts(layer, x, target)[0]
 
-    Each storage is counted once (views share it); the layer's own parameters and
-    buffers are excluded, since they are resident anyway.
+
+def saved_counts(layer: nn.Module, x: torch.Tensor,
+                 target: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+    """Bytes of the activations autograd saves for ``layer``'s backward on input ``x``, counted three
+    ways, for the three ways the runtime holds them: the larger of the next two (what a plan is
+    priced with by default); each storage once (a recompute keeps the graph's tensors, views share
+    their storage), every saved tensor as often as it is saved (a stashing pack copies each to
+    the host and back); and how many of the storages' bytes are ``x``'s own (a recompute's graph
+    shares them with the input the runtime holds anyway) and the output's (which the next layer
+    of a pack may save as its input: one storage, counted by both layers). The layer's own
+    parameters (and, but for a stash's copies, buffers) are excluded: they are resident anyway.
     """
-    resident = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+    params = {t.untyped_storage().data_ptr() for t in layer.parameters()}
+    resident = params | {t.untyped_storage().data_ptr() for t in layer.buffers()}
     seen: dict[int, torch.Tensor] = {}
+    copies = [0]
 
     def pack(t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -271,6 +290,8 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None =
             # held here until the count is done, so that no storage is freed and its address reused
             # by a later one (which would then not be counted)
             seen[storage.data_ptr()] = t
+        if storage.data_ptr() not in params:     # a stash copies saved buffers too, only weights stay put
+            copies[0] += tensor_bytes(t)
         # the graph keeps nothing: it never runs backward. Handing ``t`` itself back would leak the
         # whole graph: a saved output references its own grad_fn, a cycle autograd frees only in a
         # backward (on a GPU, VGG-416's profile ran out of 80 GB by layer 25 that way).
@@ -279,10 +300,20 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None =
         raise RuntimeError("saved_bytes' graph is for counting only")
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        _call(layer, x.detach().requires_grad_(x.is_floating_point()), target)
-    total = sum(t.untyped_storage().nbytes() for t in seen.values())
+        y = _call(layer, x.detach().requires_grad_(x.is_floating_point()), target)
+    storages = sum(t.untyped_storage().nbytes() for t in seen.values())
+    own, out = x.untyped_storage(), y.untyped_storage()
+    of_input = own.nbytes() if own.data_ptr() in seen else 0
+    of_output = out.nbytes() if out.data_ptr() in seen and out.data_ptr() != own.data_ptr() else 0
+    del y
     seen.clear()    # the graph may hold the hooks, and they ``seen``: drop the tensors, or the cycle keeps them
-    return total
+    return max(storages, copies[0]), storages, of_input, of_output
+
+
+def _target_bytes(batches: dict) -> float:
+    """Bytes per sample of the targets (a program holds each microbatch's on the device)."""
+    u, (_, y) = min(batches.items())
+    return tensor_bytes(y) / u
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -355,7 +386,7 @@ def _cpu_model() -> str | None:
 
 
 def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, warmup: int,
-          skipped: list[str], threads: int) -> dict:
+          skipped: list[str], threads: int, target_bytes: float = 0.0) -> dict:
     from runtime.optim import fused_on_cpu
 
     from . import __version__
@@ -370,9 +401,11 @@ def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, 
         "framework": f"PyTorch {torch.__version__}",
         "sequence_length": model.meta.get("sequence_length"),
         "optimizer": optimizer,
+        "target_bytes_per_sample": target_bytes,
         "cpu_update": f"{'fused' if fused_on_cpu() else 'per-parameter'} torch.optim step, {threads} threads",
         "timing": "wall clock (time.perf_counter)" if cpu else "CUDA events",
-        "peak_memory": ("analytic estimate: FWD = params + buffers + input + output; BWD = FWD + grads + saved"
+        "peak_memory": ("analytic estimate: FWD = params + buffers + input + output; "
+                        "BWD = FWD + grads + saved + input grad"
                         if cpu else "torch.cuda.max_memory_allocated, layer alone"),
         "repeats": repeats,
         "warmup": warmup,

@@ -29,6 +29,7 @@ semantics), or, with byte sizes known, memory would exceed a cap.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -211,7 +212,10 @@ class LayerBytes:
     """Byte sizes per layer, enough to price every device tensor of a Program.
 
     ``input[l]``: bytes per sample of layer ``l``'s input (its gradient has the same
-    size); ``saved[l]``: bytes per sample autograd keeps for layer ``l``'s backward;
+    size); ``saved[l]``: bytes per sample autograd keeps for layer ``l``'s backward,
+    ``saved_storage[l]`` the same with each storage once, ``saved_input[l]`` and
+    ``saved_output[l]`` how many of those are the layer's own input and output (empty: not
+    known; a recompute is then priced as saved);
     ``target``: bytes per sample of the targets.
     """
 
@@ -221,10 +225,14 @@ class LayerBytes:
     input: tuple[float, ...]
     saved: tuple[float, ...]
     target: float = 0.0
+    saved_storage: tuple[float, ...] = ()
+    saved_input: tuple[float, ...] = ()
+    saved_output: tuple[float, ...] = ()
 
     def __post_init__(self):
         n = len(self.weights)
-        if any(len(getattr(self, f)) != n for f in ("buffers", "optimizer", "input", "saved")):
+        if any(len(getattr(self, f)) != n for f in ("buffers", "optimizer", "input", "saved")) or \
+                len(self.saved_input) not in (0, n) or len({len(self.saved_storage), len(self.saved_input), len(self.saved_output)}) > 1:
             raise ProgramError("layer bytes: every per-layer list must have one entry per layer")
 
     @property
@@ -236,11 +244,15 @@ class LayerBytes:
         """Sizes from a Profile at microbatch ``u`` (per-sample activations scale linearly)."""
         lay = profile.layers.sort_values("layer")
         bwd = profile.costs("BWD", u)
+        rec = profile.recompute_saved_at(u)
         return cls(weights=tuple(int(x) for x in lay["param_bytes"]),
                    buffers=tuple(int(x) for x in lay["buffer_bytes"]),
                    optimizer=tuple(int(x) for x in lay["optimizer_state_bytes"]),
                    input=tuple(float(x) / u for x in profile.input_bytes_at(u)),
-                   saved=tuple(float(x) / u for x in bwd.saved[:profile.num_layers]))
+                   saved=tuple(float(x) / u for x in bwd.saved[:profile.num_layers]),
+                   target=float(profile.meta.get("target_bytes_per_sample", 0.0)),
+                   **({} if rec is None else {f: tuple(float(x) / u for x in col) for f, col in
+                                              zip(("saved_storage", "saved_input", "saved_output"), rec)}))
 
     def key_bytes(self, key: tuple) -> int:
         """Bytes of one device tensor named by a key of :func:`effects`."""
@@ -258,6 +270,15 @@ class LayerBytes:
         if kind == "G":
             return int(sum(self.saved[key[1]:key[2] + 1]) * key[4])
         raise ProgramError(f"unknown device tensor {key!r}")
+
+    def alloc_bytes(self, ins: "Instr", key: tuple) -> int:
+        """Bytes ``ins`` allocates for ``key``. A recompute's graph keeps each storage once and holds
+        the pack's input by reference, not again (the input is live on its own, as X or sX)."""
+        if ins.kind is Kind.REC and key[0] == "G" and self.saved_input:
+            a, b = key[1], key[2]
+            shared = sum(min(self.saved_output[l - 1], self.saved_input[l]) for l in range(a + 1, b + 1))
+            return int((sum(self.saved_storage[a:b + 1]) - self.saved_input[a] - shared) * key[4])
+        return self.key_bytes(key)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -311,6 +332,7 @@ def _host_act(kind: str, layer: int) -> tuple:
     return ("data",) if layer == 0 and kind in ("X", "sX") else (kind, layer)
 
 
+@functools.lru_cache(maxsize=1 << 17)        # ranks and passes ask for the same instructions' effects
 def effects(ins: Instr, num_layers: int) -> Effects:
     """What ``ins`` reads, allocates, updates and frees on the device, and reads and writes on the host.
 
@@ -709,7 +731,7 @@ def _check_memory(program: Program, r: int, sizes: LayerBytes, cap: int | None) 
     for i, x in enumerate(program.ranks[r]):
         e = effects(x, program.num_layers)
         for k in e.allocs:
-            held[k] = sizes.key_bytes(k)
+            held[k] = sizes.alloc_bytes(x, k)
             live += held[k]
         peak = max(peak, live)
         if cap is not None and live > cap:

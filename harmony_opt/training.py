@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .errors import DataError, PlanError, ProgramError, UsageError
+from .errors import DataError, PlanError, ProgramError, RuntimeMemoryError, UsageError
 from .plan import Plan
 from .program import Program, plan_identity, validate_program
 
@@ -90,29 +90,34 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     """
     from runtime.checkpoint import load_checkpoint, restore_layers
     from runtime.optim import make_factory
-    from runtime.shapes import boundary_shapes
+    from runtime.optim import optimizer_states
+    from runtime.shapes import boundary_shapes, measure_layer_bytes
     from runtime.worker import Job, run_job
 
     layers = list(model.layers)
     check_plan(model, plan)
     _check_device(device, plan.gpus)
-    program = _program(plan, layers, program)
     if steps < 0:
         raise UsageError(f"steps must be >= 0, got {steps}")
     if resume and checkpoint_dir is None:
         raise UsageError("resume needs a checkpoint folder")
-    state = load_checkpoint(checkpoint_dir, plan_identity=program.plan_identity, layers=layers) if resume else None
-    start = state["step"] if state else 0
+    cap = memory_cap if memory_cap is not None else plan.memory_cap
     factory = make_factory(optimizer or model.meta.get("optimizer", "adam"), lr)
+    ident = plan_identity(plan) if program is None else program.plan_identity
+    state = load_checkpoint(checkpoint_dir, plan_identity=ident, layers=layers) if resume else None
+    start = state["step"] if state else 0
     batches = _batches(model, plan, data, start, steps, seed)
     shapes = boundary_shapes(layers, *batches[0]) if batches else []
+    # the whole program against the model's real sizes, before any weight changes
+    sizes = measure_layer_bytes(layers, *batches[0], optimizer_states=optimizer_states(factory)) if batches else None
+    program = _program(plan, layers, program, sizes, cap)
     if state:
         restore_layers(layers, state)
     for layer in layers:
         layer.train()
     _place_host_state(layers, device, plan.gpus)
     job = Job(program=program, layers=layers, batches=batches, start_step=start, factory=factory, shapes=shapes,
-              device=device, memory_cap=memory_cap if memory_cap is not None else plan.memory_cap, seed=seed,
+              device=device, memory_cap=cap, seed=seed,
               progress=progress, optimizer_state=state["optimizer"] if state else None,
               checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
               plan=plan.to_dict(), losses_before=list(state["losses"]) if state else [], trace=trace)
@@ -155,11 +160,13 @@ def _check_device(device: str, gpus: int) -> None:
             raise UsageError(f"the plan needs {gpus} GPUs but {torch.cuda.device_count()} are visible")
 
 
-def _program(plan: Plan, layers: list, program: Program | None) -> Program:
+def _program(plan: Plan, layers: list, program: Program | None, sizes=None, cap: int | None = None) -> Program:
+    """The plan's program (or the given one, checked against the plan and model), validated with the
+    model's measured ``sizes`` against ``cap``: a run the memory guard would stop is refused here."""
     from .compiler import compile_plan
 
     if program is None:
-        program = compile_plan(plan)
+        program = compile_plan(plan, layer_bytes=sizes, memory_cap=cap)
     else:
         ident = plan_identity(plan)
         if program.plan_identity != ident:
@@ -173,7 +180,12 @@ def _program(plan: Plan, layers: list, program: Program | None) -> Program:
                 if have != program.layer_bytes.weights[l]:
                     raise ProgramError(f"the program was compiled for a model whose layer {l} has "
                                        f"{program.layer_bytes.weights[l]} weight bytes; this model's has {have}")
-    validate_program(program)
+    try:
+        validate_program(program, cap_bytes=cap if sizes is not None else None, sizes=sizes)
+    except ProgramError as e:
+        if "over the cap" not in str(e):
+            raise
+        raise RuntimeMemoryError(f"the run would exceed the memory cap, so no step ran: {str(e).splitlines()[0]}") from None
     return program
 
 

@@ -532,7 +532,9 @@ class Executor:
         x = self.table.get(e.reads[0], ins)
         weights, names = self._leaves(a, b, ins)
         leaf = self._input_leaf(x, a, copy=False)
-        count = CountSaved({w.untyped_storage().data_ptr() for w in weights} | {x.untyped_storage().data_ptr()})
+        # what the table holds already (weights, frozen or not, buffers, the input) is not counted again
+        held = [t for l in range(a, b + 1) for k in ("W", "B") for t in self.table.get((k, l), ins).values()]
+        count = CountSaved({t.untyped_storage().data_ptr() for t in held + [x]})
         with torch.enable_grad(), saved_tensors_hooks(count.pack, count.unpack):
             y = self._chain(a, b, leaf, ins)
             if b == self.R - 1:

@@ -50,6 +50,16 @@ def make_factory(optimizer: str | OptimizerFactory, lr: float, **options) -> Opt
     return functools.partial(OPTIMIZERS[name], lr=lr, **options)
 
 
+def optimizer_states(factory: OptimizerFactory) -> int:
+    """How many tensors the size of a weight the optimizer keeps per weight (Adam 2, SGD with
+    momentum 1, plain SGD 0), from one step on a probe weight."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = factory([p])
+    p.grad = torch.zeros(8)
+    opt.step()
+    return sum(1 for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == p.numel())
+
+
 @functools.cache
 def fused_on_cpu() -> bool:
     """Whether this torch has fused Adam, AdamW and SGD kernels for CPU tensors (2.4 on)."""

@@ -33,6 +33,25 @@ def _eval(layers: list[nn.Module]):
             m.training = was
 
 
+@contextlib.contextmanager
+def _as_in_training(layers: list[nn.Module]):
+    """Train mode, as the executor runs the layers (dropout saves its masks, batch norm its batch
+    statistics), leaving no trace: buffers (running statistics) and the random generator restored."""
+    modes = [(m, m.training) for layer in layers for m in layer.modules()]
+    kept = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for layer in layers:
+                layer.train()
+            yield
+    finally:
+        with torch.no_grad():
+            for b, v in kept:
+                b.copy_(v)
+        for m, was in modes:
+            m.training = was
+
+
 def _describe(layer: int, module: nn.Module) -> str:
     return f"layer {layer} ({type(module).__name__})"
 
@@ -61,31 +80,38 @@ def boundary_shapes(layers: list[nn.Module], inputs: torch.Tensor, targets: torc
 
 def measure_layer_bytes(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
                         optimizer_states: int = 2) -> LayerBytes:
-    """Per-layer byte sizes from one sample: weights, buffers, optimizer state
-    (``optimizer_states`` tensors the size of the weights: 2 for Adam), input and saved activations."""
-    R = len(layers)
-    inp, saved = [], []
-    x = inputs[:1]
-    with _eval(layers):
-        for l, layer in enumerate(layers):
-            inp.append(float(x.numel() * x.element_size()))
-            seen: set[int] = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-            count = [0]
-
-            def pack(t, seen=seen, count=count):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in seen:
-                    seen.add(ptr)
-                    count[0] += t.untyped_storage().nbytes()
-                return t
-
-            leaf = x.detach().requires_grad_(x.is_floating_point())
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = layer(leaf, targets[:1]) if l == R - 1 else layer(leaf)
-            saved.append(float(count[0]))
-            x = y.detach()
+    """Per-layer byte sizes per sample: weights, buffers, optimizer state (``optimizer_states``
+    tensors the size of the weights: 2 for Adam), input and saved activations, measured in train
+    mode on one sample, or on two where a layer refuses one in training (batch norm over a
+    vector), then halved."""
+    try:
+        per, n = _per_sample(layers, inputs, targets, 1), 1
+    except Exception:
+        if inputs.shape[0] < 2:
+            raise
+        per, n = _per_sample(layers, inputs, targets, 2), 2
+    inp, saved, storage, own, out = ([v / n for v in col] for col in per)
     wb = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     return LayerBytes(weights=tuple(wb),
                       buffers=tuple(sum(b.numel() * b.element_size() for b in layer.buffers()) for layer in layers),
                       optimizer=tuple(optimizer_states * w for w in wb), input=tuple(inp), saved=tuple(saved),
-                      target=float(targets[:1].numel() * targets.element_size()))
+                      target=float(targets[:1].numel() * targets.element_size()), saved_storage=tuple(storage),
+                      saved_input=tuple(own), saved_output=tuple(out))
+
+
+def _per_sample(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor, n: int) -> list[list[float]]:
+    """Input bytes and the four saved counts (profiler.saved_counts) of every layer on ``n`` samples."""
+    from harmony_opt.profiler import saved_counts
+
+    R = len(layers)
+    cols: list[list[float]] = [[], [], [], [], []]
+    # copies, not views: a view of the minibatch would be priced as the minibatch's whole storage
+    x, target = inputs[:n].clone(), targets[:n].clone()
+    with _as_in_training(layers):
+        for l, layer in enumerate(layers):
+            cols[0].append(float(x.numel() * x.element_size()))
+            for col, v in zip(cols[1:], saved_counts(layer, x, target if l == R - 1 else None)):
+                col.append(float(v))
+            with torch.no_grad():
+                x = layer(x) if l < R - 1 else x
+    return cols

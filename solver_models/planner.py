@@ -49,10 +49,11 @@ import numpy as np
 
 from harmony_opt.baselines import feasible_sizes, plan_harmony, played
 from harmony_opt.bound import lower_bound
-from harmony_opt.errors import HarmonyOptError, InfeasibleError, UsageError
+from harmony_opt.compiler import compile_plan
+from harmony_opt.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from harmony_opt.hardware import Hardware
 from harmony_opt.host_memory import may_bind, model_host_memory, require_fits
-from harmony_opt.memory import explain_infeasible, max_pack_end
+from harmony_opt.memory import explain_infeasible, fit_to_program, max_pack_end
 from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.profile import Profile
 from harmony_opt.simulator import count_events
@@ -844,6 +845,8 @@ class _Search:
         they are recomputed (tasks.stashable_layers)."""
         if not (self.options and self.profile.num_layers <= MAX_LAYERS_WITH_STASH):
             return False
+        if cfg.u_fwd != cfg.u_bwd:     # a stashed autograd graph cannot be re-batched: the runtime would run
+            return False                # the pack's backward at the forward's microbatch, as no model here does
         uf, ub = (split_microbatches(self.batch, u) for u in (cfg.u_fwd, cfg.u_bwd))
         return cfg.ranks == 1 or bool(stashable_layers(self.profile, self.hw, cfg, uf, ub).any())
 
@@ -1555,6 +1558,11 @@ def _transfer_order(S: _Search, plan_: Plan, t: float, fixed) -> tuple[Plan, flo
     report = {"status": tr.status, "objective": tr.makespan_s, "bound": tr.bound_s, "wall_time_s": tr.wall_time,
               "streams": 0, "simulated": None, "rule_simulated": t, "kept": False}
     order = tr.order if tr.makespan_s < t else None
+    if order is not None and not _issuable(plan_.replace(transfer_order=order)):
+        S.say("transfer order of the timeline model: the compiler cannot issue it (a transfer would come "
+              "before what it moves is made): kept the rule's")
+        report["not_issuable"] = True
+        order = None
     if order is not None:
         ordered = plan_.replace(transfer_order=order)
         t_ordered = S.judge(ordered)
@@ -1565,6 +1573,16 @@ def _transfer_order(S: _Search, plan_: Plan, t: float, fixed) -> tuple[Plan, flo
         if t_ordered < t:
             return ordered, t_ordered, report
     return plan_, t, report
+
+
+def _issuable(plan_: Plan) -> bool:
+    """Whether the compiler can issue ``plan_``'s transfer order (the simulator's events and the
+    program's instructions differ in what they may start before: P2P, host parking)."""
+    try:
+        compile_plan(plan_)
+    except PlanError:
+        return False
+    return True
 
 
 def _space_bound(S: _Search, found: list[_Candidate], open_bound: float, most: int = 64) -> float:
@@ -1616,7 +1634,17 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
 
     Deterministic: configurations are visited in a fixed order, the heuristics use seeded
     generators and fixed step counts, CP-SAT runs under a deterministic time limit, so the same
-    inputs, seed and workers give the same plan."""
+    inputs, seed and workers give the same plan. The plan's compiled program fits the cap
+    (harmony_opt.memory.fit_to_program): where the search's pack memory let through a plan whose
+    program would not, it searches again under a lower cap, and refuses with the figures where
+    that fails too."""
+    cap = int(memory_cap or hw.gpu_memory_bytes)
+    return fit_to_program(lambda c: _plan(profile, hw, batch, options, memory_cap=c, report=report), cap, profile,
+                          who=f"the best plan of {profile.name}")
+
+
+def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | None = None, *,
+          memory_cap: int | None = None, report=None) -> Plan:
     opts = options or PlannerOptions()
     _validate(opts, hw, batch)
     # weights, gradients and optimizer state: the same in every plan

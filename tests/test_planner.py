@@ -211,17 +211,18 @@ def test_stash_bound_counts_the_forward_time_stashing_costs():
     """gpt2_medium, D=32, vPP on 2 GPUs, forward microbatches of 11: a stashed layer's activations
     take longer to leave than the forward takes to compute them, and the model charges that to the
     layer's backward pack (tasks.py), which costs about what skipping the recompute saves. The bound
-    with stash variants counts it: within 3 % of the bound without them (it was 11 % below when it
-    left it out), and still below every plan found, stashed or not. The planner offers no stash
-    variant here (tasks.stashable_layers: the link moves a layer's saved activations slower than it
-    is recomputed); the bound is checked with one on every layer."""
+    with stash variants counts it: within 5 % of the bound without them (it was 11 % below when it
+    left it out; 4 % with the profile's saved activations estimated without dW), and still below
+    every plan found, stashed or not. The bound is checked with a stash variant on every layer;
+    with the planner's own (tasks.stashable_layers: only layers the link moves faster than they
+    recompute) it lies between that and the bound without stash."""
     prof, hw, cap = load_profile("gpt2_medium"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
     cfg = Config("vPP", 2, 11, 2)
     every = np.ones(prof.num_layers, bool)
     bound = config_bound(prof, hw, 32, cfg, cap, stash=True, stash_layers=every)
-    assert bound >= 0.97 * config_bound(prof, hw, 32, cfg, cap, stash=False)
-    assert config_bound(prof, hw, 32, cfg, cap, stash=True) == config_bound(prof, hw, 32, cfg, cap, stash=False)
-    assert build_tasks(prof, hw, 32, cfg, cap, stash=True).table.recompute.all()
+    assert bound >= 0.95 * config_bound(prof, hw, 32, cfg, cap, stash=False)
+    assert bound - 1e-9 <= config_bound(prof, hw, 32, cfg, cap, stash=True) <= \
+        config_bound(prof, hw, 32, cfg, cap, stash=False) + 1e-9
     tasks = build_tasks(prof, hw, 32, cfg, cap, stash=True, stash_layers=every)
     starts = [seq for _, seq in search.starts(tasks, prof, tries=3)[0]]
     plans = starts + [_stashed(tasks, seq) for seq in starts]
@@ -801,7 +802,9 @@ def test_timeline_model_schedules_the_simulated_events_at_least_as_well():
     assert r.bound_s - 1e-6 <= r.makespan_s <= r.simulated_s + 1e-6
     assert len(r.starts) == r.events
     tl = p.solver["timeline"]
-    assert tl["bound"] - 1e-6 <= tl["objective"] <= p.simulated_iteration_time_s + 1e-6
+    carried = tl.get("transfer_order") or {}
+    rule = carried["rule_simulated"] if carried.get("kept") else p.simulated_iteration_time_s
+    assert tl["bound"] - 1e-6 <= tl["objective"] <= rule + 1e-6       # the model of the rule's order
     # the bound over every order of the transfers is a relaxation of the rule's order
     assert tl["order_bound"] <= tl["bound"] + 1e-9 and tl["order_gap"] >= tl["gap"] - 1e-9
 

@@ -218,16 +218,23 @@ def test_saved_bytes_counts_every_saved_storage_once():
     model = build_model("gpt2-tiny")
     block = model.layers[1]
     x = model.layers[0](model.make_batch(4, torch.Generator().manual_seed(0))[0])
+    from harmony_opt.profiler import saved_counts
+
     resident = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
-    kept = {}
+    kept, copies = {}, [0]
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in resident:
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            copies[0] += t.numel() * t.element_size()
         return t
 
     xi = x.detach().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = block(xi)
     y.sum().backward()          # frees the graph the reference kept
-    assert len(kept) > 5 and [saved_bytes(block, x) for _ in range(3)] == [sum(kept.values())] * 3
+    assert len(kept) > 5 and [saved_counts(block, x)[1] for _ in range(3)] == [sum(kept.values())] * 3
+    # the stash copies every saved tensor (views of one storage too): the priced count is the larger
+    assert copies[0] > sum(kept.values()) and saved_bytes(block, x) == copies[0]
+    # the block saves its input (layer norm): a recompute shares it with the input the runtime holds
+    assert saved_counts(block, x)[2] == x.untyped_storage().nbytes()

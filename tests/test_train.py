@@ -256,7 +256,8 @@ def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path, capsys):
         (["run", str(tmp_path / "other.json"), "--model", "gpt2-tiny", "--steps", "2", "--checkpoint", str(ck),
           "--resume"], "was written for another plan"),
         (["run", good, "--model", "gpt2-tiny", "--memory-cap", "20kB"],      # its progress bar is erased
-         "over the memory cap of 20000 bytes"),
+         "no step ran: rank 0: instruction 0:IW[0-2]@i=539136: would hold 539136 bytes on the device, over the cap "
+         "of 20000 bytes"),
     ]
     for argv, fragment in cases:
         assert main(argv) == 2, argv

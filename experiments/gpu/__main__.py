@@ -143,7 +143,7 @@ def cases(P: Paths, workloads, caps):
 
 def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
     from .trial import busy_by_stream
-    from harmony_opt.baselines import plan_harmony, plan_naive_swap
+    from harmony_opt.baselines import get_planner, plan_naive_swap
     from harmony_opt.bound import lower_bound
     from harmony_opt.hardware import get_hardware
     from harmony_opt.simulator import simulate
@@ -164,7 +164,7 @@ def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
             hw = get_hardware(P.hardware, memory_cap=cap)
             info["lower_bound_s"] = lower_bound(prof, hw, batch, cap)["bound_s"]
             makers = {"ours": lambda: plan(prof, hw, batch, PlannerOptions(time_limit=time_limit), memory_cap=cap),
-                      "harmony": lambda: plan_harmony(prof, hw, batch, cap, mode="vPP", gpus=1),
+                      "harmony": lambda: get_planner("harmony")(prof, hw, batch, cap, mode="vPP", gpus=1),
                       "naive-swap": lambda: plan_naive_swap(prof, hw, batch, cap, gpus=1)}
             for method, make in makers.items():
                 t0 = time.perf_counter()

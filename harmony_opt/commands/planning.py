@@ -110,6 +110,20 @@ def _show(df: pd.DataFrame, width: int = 40) -> str:
     return "\n".join([df.to_string(index=False), *below])
 
 
+def _program_line(plan: Plan, profile) -> str:
+    """The peak live device bytes of the plan's compiled program (what the runtime holds and its
+    memory guard counts), beside the cap; a warning where it would not fit."""
+    from ..memory import program_memory
+    mem = program_memory(plan, profile)
+    line = ("peak device memory at run time (the compiled program): "
+            + ", ".join(f"GPU{r} {fmt_bytes(b)}" for r, b in enumerate(mem.peaks)) + f" of {fmt_bytes(mem.cap)}")
+    if not mem.fits:
+        r, ins, need = mem.over
+        line += (f"\nwarning: on GPU {r}, instruction {ins} would hold {fmt_bytes(need)}: this plan would be refused "
+                 f"at run time")
+    return line
+
+
 def _host_line(host, hw) -> str:
     """A plan's host memory (host_memory.HostMemory) beside the hardware's budgets."""
     return (f"host memory: {fmt_bytes(host.total)} ({host.parts()}), {fmt_bytes(host.pinned)} of it pinned; "
@@ -200,6 +214,7 @@ def _plan(args):
     print(f"plan: {_describe(p)}, {sum(not o.recompute for o in p.options)} stashed pack(s), "
           f"{sum(o.optimizer == 'gpu' for o in p.options)} GPU optimizer step(s)")
     print(f"simulated iteration time {p.simulated_iteration_time_s:.4f} s ({p.cost_model} cost model)")
+    print(_program_line(p, profile))
     print(_host_line(host_memory(p, profile, hw), hw))
     for line in solver_summary(s):
         print(line)
@@ -271,7 +286,10 @@ def _simulate(args):
     moved = tl.bytes_moved()
     print(f"{plan.planner} plan: {_describe(plan)}")
     print(f"iteration time {tl.iteration_time:.6f} s ({plan.cost_model} cost model)")
-    print("peak GPU memory: " + ", ".join(f"GPU{r} {b / 2**30:.2f} GiB" for r, b in tl.peak_memory().items()))
+    print("peak GPU memory (the simulator's task memory): "
+          + ", ".join(f"GPU{r} {fmt_bytes(b)}" for r, b in tl.peak_memory().items()))
+    if plan.memory_cap or hw.gpu_memory_bytes:
+        print(_program_line(plan if plan.memory_cap else plan.replace(memory_cap=hw.gpu_memory_bytes), profile))
     print(f"bytes moved: host->GPU {moved['h2d'] / 1e9:.2f} GB, GPU->host {moved['d2h'] / 1e9:.2f} GB, "
           f"GPU<->GPU {moved['p2p'] / 1e9:.2f} GB")
     host = host_memory(plan, profile, hw)
@@ -293,7 +311,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
     sweeps modes runs the mode-independent baselines once."""
     from solver_models.planner import PlannerOptions, plan as cp_plan
 
-    from ..baselines import PLANNERS
+    from ..baselines import PLANNERS, get_planner
     from ..bound import lower_bound
     from ..simulator import simulate
     cap = hw.gpu_memory_bytes
@@ -302,7 +320,8 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
     runs = [("cp-sat", "cp-sat", lambda: cp_plan(profile, hw, batch, PlannerOptions(mode=mode, gpus=gpus,
                                                                                     time_limit=time_limit),
                                                    memory_cap=cap))]
-    for name, fn in PLANNERS.items():
+    for name in PLANNERS:
+        fn = get_planner(name)
         if name == "harmony":       # Harmony's search in each mode the request allows
             for m in (("vPP", "vDP") if mode == "auto" else (mode,)):
                 label = f"harmony {m}" if mode == "auto" else name

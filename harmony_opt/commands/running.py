@@ -71,7 +71,7 @@ def _compile(args):
         states = 2 if model.meta.get("optimizer", "adam") in ("adam", "adamw") else 1
         sizes = measure_layer_bytes(model.layers, x, y, optimizer_states=states)
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else plan.memory_cap
-    program = compile_plan(plan, layer_bytes=sizes)
+    program = compile_plan(plan, layer_bytes=sizes, memory_cap=cap)
     stats = validate_program(program, cap_bytes=cap if sizes else None)
     out = program.save(args.output)
     for r, n in enumerate(stats.instructions):
