@@ -51,6 +51,12 @@ class RuntimeMemoryError(HarmonyOptError):
     """The executor's memory guard stopped an instruction that would exceed the device cap."""
 
 
+class ContractError(HarmonyOptError, AssertionError):
+    """A planner broke the contract :mod:`harmony_opt.fuzzing` checks: a bug in the planner, not in
+    the input. Raised explicitly so that ``python -O`` keeps the checks; also an ``AssertionError``,
+    so code that treats a broken promise as a failed assertion keeps working."""
+
+
 class DataError(HarmonyOptError):
     """Training data or a checkpoint does not match the model or plan."""
 

@@ -4,9 +4,10 @@ Shared by the property tests (tests/test_fuzz_planners.py, hypothesis draws the
 :class:`FuzzCase`) and the soak (benchmarks/fuzz_planners.py, plain seeds), so a
 failure found by either is replayed by ``check_case(FuzzCase(...))``.
 
-The contract (issue #7): every planner either returns a plan that validates, matches
-the profile and hardware, round-trips through JSON and simulates under the memory cap
-with the iteration time it claims (and no faster than the baselines' lower bound
+The contract: every planner either returns a plan that validates, matches
+the profile and hardware, round-trips through JSON, simulates under the memory cap
+with the iteration time it claims, compiles to a program that holds no more than the cap
+(harmony_opt.memory.program_memory: what the runtime's guard counts) (and no faster than the baselines' lower bound
 :func:`~harmony_opt.baselines.iteration_floor` says), or raises :class:`InfeasibleError`
 with a non-empty explanation. Any other exception is a bug.
 """
@@ -19,7 +20,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .errors import InfeasibleError
+from .errors import ContractError, InfeasibleError
 from .hardware import Hardware
 from .plan import Plan
 from .profile import Profile
@@ -128,38 +129,47 @@ def run_planner(name: str, profile: Profile, hw: Hardware, case: FuzzCase) -> Pl
 
 
 def check_plan(plan: Plan, profile: Profile, hw: Hardware, cap: int, name: str) -> None:
-    """Assert the plan half of the contract; the message says which promise broke."""
+    """Check the plan half of the contract; :class:`ContractError` says which promise broke."""
     from .simulator import simulate
     where = f"{name} plan"
     plan.validate()
     plan.check_against(profile, hw)
-    assert plan.memory_cap is not None and plan.memory_cap <= cap, f"{where}: memory_cap {plan.memory_cap} > {cap}"
+    if plan.memory_cap is None or plan.memory_cap > cap:
+        raise ContractError(f"{where}: memory_cap {plan.memory_cap} > {cap}")
     text = plan.to_json()
     again = Plan.from_dict(json.loads(text))
-    assert again.to_json() == text, f"{where}: JSON does not round-trip"
+    if again.to_json() != text:
+        raise ContractError(f"{where}: JSON does not round-trip")
     tl = simulate(plan, profile, hw, memory_cap=cap, with_timeline=False)
     peak = max(tl.peak_memory().values(), default=0)
-    assert peak <= cap, f"{where}: simulated peak {peak} bytes exceeds the cap {cap}"
+    if peak > cap:
+        raise ContractError(f"{where}: simulated peak {peak} bytes exceeds the cap {cap}")
+    from .memory import program_memory
+    run = program_memory(plan, profile, cap)
+    if not run.fits:
+        raise ContractError(f"{where}: its program would hold {run.over[2]} bytes at {run.over[1]} on GPU "
+                            f"{run.over[0]}, over the cap {cap}: refused at run time")
     from .host_memory import host_memory
     host = host_memory(plan, profile, hw)
-    assert host.total <= hw.host_memory_bytes and host.pinned <= hw.pinned_memory_bytes, \
-        f"{where}: needs {host.total} bytes of host memory ({host.pinned} pinned), the host has " \
-        f"{hw.host_memory_bytes} ({hw.pinned_memory_bytes})"
+    if host.total > hw.host_memory_bytes or host.pinned > hw.pinned_memory_bytes:
+        raise ContractError(f"{where}: needs {host.total} bytes of host memory ({host.pinned} pinned), the host "
+                            f"has {hw.host_memory_bytes} ({hw.pinned_memory_bytes})")
     t = plan.simulated_iteration_time_s
-    assert t is not None and math.isfinite(t) and t >= 0, f"{where}: simulated_iteration_time_s {t!r}"
-    assert math.isclose(t, tl.iteration_time, rel_tol=1e-9, abs_tol=1e-12), \
-        f"{where}: claims {t} s but simulates to {tl.iteration_time} s"
+    if t is None or not math.isfinite(t) or t < 0:
+        raise ContractError(f"{where}: simulated_iteration_time_s {t!r}")
+    if not math.isclose(t, tl.iteration_time, rel_tol=1e-9, abs_tol=1e-12):
+        raise ContractError(f"{where}: claims {t} s but simulates to {tl.iteration_time} s")
     # the baselines skip microbatch sizes by this bound: it must hold for every plan it applies to
     from .baselines import iteration_floor
     floor = iteration_floor(plan, profile, hw)
-    assert floor <= tl.iteration_time * (1 + 1e-7), \
-        f"{where}: iteration_floor {floor} s exceeds the simulated {tl.iteration_time} s"
+    if not floor <= tl.iteration_time * (1 + 1e-7):
+        raise ContractError(f"{where}: iteration_floor {floor} s exceeds the simulated {tl.iteration_time} s")
 
 
 def check_case(case: FuzzCase, planners=PLANNER_NAMES) -> dict[str, str]:
     """Run every planner on the case; return ``{planner: "plan" | "infeasible"}``.
 
-    Raises AssertionError for a broken promise; any other exception but InfeasibleError
+    Raises :class:`ContractError` for a broken promise; any other exception but InfeasibleError
     escapes unchanged (that is a bug too)."""
     profile, hw = build(case)
     out = {}
@@ -167,7 +177,8 @@ def check_case(case: FuzzCase, planners=PLANNER_NAMES) -> dict[str, str]:
         try:
             plan = run_planner(name, profile, hw, case)
         except InfeasibleError as e:
-            assert str(e).strip() and e.explanation.strip(), f"{name}: InfeasibleError without an explanation"
+            if not (str(e).strip() and e.explanation.strip()):
+                raise ContractError(f"{name}: InfeasibleError without an explanation") from e
             out[name] = "infeasible"
             continue
         check_plan(plan, profile, hw, hw.gpu_memory_bytes, name)

@@ -1,17 +1,24 @@
 """Property tests (issue #7): on random profiles and servers every planner returns a plan that
 validates and simulates under the memory cap, or raises InfeasibleError with an explanation.
 
-CI runs a bounded, derandomized sample with small layer counts (under a minute on 2 cores);
+CI runs a bounded sample (derandomized by tests/conftest.py) with small layer counts (under a minute on 2 cores);
 benchmarks/fuzz_planners.py soaks up to 1200 layers. harmony_opt.fuzzing holds the generator
 and the contract, so a failure here replays as ``check_case(FuzzCase(...))``.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import harmony_opt.fuzzing as fuzzing
+from harmony_opt.errors import ContractError, InfeasibleError
 from harmony_opt.fuzzing import BASELINE_NAMES as BASELINES
-from harmony_opt.fuzzing import FuzzCase, build, check_case, random_profile
+from harmony_opt.fuzzing import FuzzCase, build, check_case, check_plan, random_profile, run_planner
 
 
 @st.composite
@@ -26,7 +33,7 @@ def cases(draw, max_layers: int = 30):
         host_factor=draw(st.none() | st.floats(0.0, 0.6, allow_nan=False)))
 
 
-_CI = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+_CI = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_CI
@@ -36,7 +43,7 @@ def test_baselines_plan_or_explain(case):
     assert set(outcome.values()) <= {"plan", "infeasible"}
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_cp_sat_plans_or_explains(case):
     assert check_case(case, ("cp-sat",))["cp-sat"] in ("plan", "infeasible")
@@ -49,6 +56,46 @@ def test_generator_covers_both_outcomes():
         case = FuzzCase(layers=6, seed=seed, batch=8, gpus=2, cap_factor=0.8 + seed, use_gpus=1)
         seen |= set(check_case(case, ("l2l",)).values())
     assert seen == {"plan", "infeasible"}
+
+
+def _kept_plan():
+    """An l2l plan on a small case with ample memory: it keeps the contract."""
+    case = FuzzCase(layers=6, seed=1, batch=8, gpus=1, cap_factor=40.0)
+    profile, hw = build(case)
+    return run_planner("l2l", profile, hw, case), profile, hw
+
+
+def test_the_contract_checks_survive_python_O():
+    """``python -O`` strips assert statements: the checks must be explicit raises."""
+    tree = ast.parse(inspect.getsource(fuzzing))
+    assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+
+
+@pytest.mark.parametrize("broken,message", [
+    ("cap", "memory_cap"),                # the plan claims more memory than it was given
+    ("claimed time", "simulates to"),     # the plan claims a time the simulator does not give it
+    ("host", "host memory"),              # the plan needs more host memory than the server has
+])
+def test_a_broken_promise_raises_contract_error(broken, message):
+    plan, profile, hw = _kept_plan()
+    cap = hw.gpu_memory_bytes
+    check_plan(plan, profile, hw, cap, "l2l")      # intact, it passes
+    if broken == "cap":
+        cap = plan.memory_cap - 1
+    elif broken == "claimed time":
+        plan = plan.replace(simulated_iteration_time_s=2 * plan.simulated_iteration_time_s)
+    else:
+        hw = dataclasses.replace(hw, host_memory_bytes=1, pinned_memory_bytes=1)
+    with pytest.raises(ContractError, match=message):
+        check_plan(plan, profile, hw, cap, "l2l")
+
+
+def test_a_refusal_without_an_explanation_raises_contract_error(monkeypatch):
+    def refuse(*args):
+        raise InfeasibleError(" ")
+    monkeypatch.setattr(fuzzing, "run_planner", refuse)
+    with pytest.raises(ContractError, match="without an explanation"):
+        check_case(FuzzCase(layers=3, seed=0, batch=4, gpus=1, cap_factor=2.0), ("l2l",))
 
 
 def test_random_profiles_are_valid_at_the_extremes():
@@ -71,7 +118,7 @@ def _layerwise_plans(case: FuzzCase):
         yield profile, hw, Plan("x", "vDP", n, case.batch, u, u, [], [(0, R - 1)], R, memory_cap=cap)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_layers=12))
 def test_iteration_floor_never_exceeds_the_simulated_time(case):
     """The baselines skip a microbatch size when this bound exceeds the best time so far; a bound above
@@ -103,7 +150,7 @@ def test_iteration_floor_is_tight_enough_to_skip_sizes():
     assert iteration_floor(u1, profile, hw) > 5 * best.simulated_iteration_time_s
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_layers=12))
 def test_skipping_sizes_returns_what_simulating_every_size_returns(case):
     import harmony_opt.baselines as B

@@ -553,6 +553,23 @@ def test_local_search_is_deterministic_and_never_worse():
     assert a == b and a[0] <= v0
 
 
+def test_local_search_takes_a_known_improving_move():
+    """Six layers on one GPU, half the model's backward memory: start from every layer in its own pack
+    with the criterion pack [5, 5]. Growing the criterion pack to [4, 5] (one step: its start moves one
+    boundary back) runs layer 4's forward and backward in one pack instead of two and is strictly
+    faster, so a search that returns its input fails here."""
+    prof, hw, cap, cfg = _instance(6, 3, 2, 2, 0.5, 1, mode="vPP")
+    tasks = build_tasks(prof, hw, 8, cfg, cap)
+    start = search._sequence(tasks, [1, 2, 3, 4], [1, 2, 3, 4], 5)
+    better = search._sequence(tasks, [1, 2, 3], [1, 2, 3], 4)
+    assert packs_of(tasks, better)[1][-1] == (4, 5) and better in list(search.neighbours(tasks, start))
+    v0, v1 = evaluate(tasks, start), evaluate(tasks, better)
+    assert v1 < v0
+    v, seq, _ = search.improve(tasks, start, 300, seed=5)
+    assert seq != start and v == evaluate(tasks, seq)
+    assert v <= v1 < v0
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=8), st.integers(1, 8))
 def test_minmax_cuts_is_the_best_linear_partition_by_brute_force(times, k):
