@@ -23,7 +23,7 @@ import numpy as np
 from .errors import InfeasibleError, PlanError
 from .plan import Plan
 from .profile import PhaseCosts, Profile
-from .program import LayerBytes, effects
+from .program import LayerBytes, replay_memory
 from .units import fmt_bytes
 
 
@@ -110,18 +110,10 @@ def program_memory(plan: Plan, profile: Profile, cap: int | None = None,
     drafts, _ = issue_order(plan, sizes, cap)
     peaks, over = [], None
     for r, ranks in enumerate(drafts):
-        live, peak, held = 0, 0, {}
-        for x in ranks:
-            e = effects(x, plan.num_layers)
-            for k in e.allocs:
-                held[k] = sizes.alloc_bytes(x, k)
-                live += held[k]
-            peak = max(peak, live)
-            if live > cap and over is None:
-                over = (r, str(x), live)
-            for k in e.frees:
-                live -= held.pop(k, 0)
+        peak, first = replay_memory(ranks, plan.num_layers, sizes, cap)
         peaks.append(peak)
+        if first is not None and over is None:
+            over = (r, str(ranks[first[0]]), first[1])
     return ProgramMemory(tuple(peaks), cap, over)
 
 

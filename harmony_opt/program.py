@@ -725,19 +725,28 @@ def _key_str(k: Key) -> str:
     return f"{k[0]}[{k[1]}]({k[2]}+{k[3]})"
 
 
-def _check_memory(program: Program, r: int, sizes: LayerBytes, cap: int | None) -> int:
-    """Live device bytes in issue order (what the caching allocator sees); returns the peak."""
-    live, peak, held = 0, 0, {}
-    for i, x in enumerate(program.ranks[r]):
-        e = effects(x, program.num_layers)
+def replay_memory(instrs, num_layers: int, sizes: LayerBytes, cap: int | None = None) -> tuple[int, tuple | None]:
+    """Live device bytes of one rank's instructions in issue order (what the caching allocator sees):
+    the peak, and (index, bytes) of the first instruction over ``cap`` (None if none)."""
+    live, peak, held, over = 0, 0, {}, None
+    for i, x in enumerate(instrs):
+        e = effects(x, num_layers)
         for k in e.allocs:
             held[k] = sizes.alloc_bytes(x, k)
             live += held[k]
         peak = max(peak, live)
-        if cap is not None and live > cap:
-            _fail(program, r, i, f"would hold {live} bytes on the device, over the cap of {cap} bytes")
+        if cap is not None and live > cap and over is None:
+            over = (i, live)
         for k in e.frees:
             live -= held.pop(k, 0)
+    return peak, over
+
+
+def _check_memory(program: Program, r: int, sizes: LayerBytes, cap: int | None) -> int:
+    """:func:`replay_memory` of rank ``r``, failing on the first instruction over the cap; returns the peak."""
+    peak, over = replay_memory(program.ranks[r], program.num_layers, sizes, cap)
+    if over is not None:
+        _fail(program, r, over[0], f"would hold {over[1]} bytes on the device, over the cap of {cap} bytes")
     return peak
 
 
