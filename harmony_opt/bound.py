@@ -5,7 +5,15 @@ packing and per-pack options, an iteration needs at least:
 
 * compute: every sample passes every layer's forward once and every layer's backward
   once; at best each at its most efficient profiled size per sample, spread evenly over
-  all GPUs: ``D * sum_l (min_u tF(u,l)/u + min_u (tB(u,l) - tF(u,l))/u) / N``;
+  all GPUs: ``D * sum_l min(min_u tB(u,l)/u, min_u tF(u,l)/u + min_u (tB(u,l) - tF(u,l))/u) / N``.
+  A layer in the criterion pack runs only its backward (its forward inside), one recomputed
+  runs both, one stashed its forward and its backward less the forward: a pack skips the
+  forward as a whole (the simulator: its backward less its forward, at least 0), at least the
+  sum of its layers' differences, each as measured, negative where a layer's backward took
+  less than its forward (a CPU profile's noise): clipped at 0 layer by layer, the bound passed
+  plans on such profiles. Times are linear in u between profiled sizes, so each least per
+  sample is at a profiled size (for the difference, of either phase; the forward at the
+  nearest profiled size beyond its range, as the simulator takes it);
 * host link: if the model's weights and buffers do not fit in the GPUs together, the
   excess must come in over the link at least once per iteration; what of weights,
   gradients and optimizer state does not fit must leave (as gradients to a CPU
@@ -29,11 +37,14 @@ def lower_bound(profile: Profile, hw: Hardware, batch: int, memory_cap: int | No
     n = hw.gpus
     R = profile.num_layers
     fs, bs = profile.sizes("FWD"), profile.sizes("BWD")
-    common = [u for u in bs if u >= fs[0] and u <= fs[-1]]
+    lo, hi = int(fs[0]), int(fs[-1])
     f_rate = np.min(np.stack([profile.costs("FWD", int(u)).time / u for u in fs]), axis=0)
-    b_only = np.min(np.stack([np.maximum(profile.costs("BWD", int(u)).time - profile.costs("FWD", int(u)).time, 0) / u
-                              for u in common]), axis=0) if common else np.zeros(R)
-    compute = batch * float(np.sum(f_rate) + np.sum(b_only)) / n
+    b_rate = np.min(np.stack([profile.costs("BWD", int(u)).time / u for u in bs]), axis=0)
+    # the backward less the forward per sample, as measured: at the sizes where either is profiled
+    at = sorted({int(u) for u in bs} | {int(u) for u in fs if bs[0] <= u <= bs[-1]})
+    b_only = np.min(np.stack([(profile.costs("BWD", u).time - profile.costs("FWD", int(np.clip(u, lo, hi))).time) / u
+                              for u in at]), axis=0)
+    compute = batch * max(float(np.sum(np.minimum(b_rate, f_rate + b_only))), 0.0) / n
     wb = int(profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1))
     k = int(profile.optimizer_bytes(0, R - 1))
     link = hw.link_bandwidth or hw.h2d_bandwidth

@@ -333,13 +333,16 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         return float(np.min(np.maximum(base, np.maximum(spans, np.minimum(spans + ends / n, few)))))
     # the link: every phase takes at least its own traffic (timing.py), so T >= in_F + in_B (the
     # weights of the forward layers and of every layer, stashed activations coming back) and
-    # T >= out_F + in_B (stashed activations leaving in the forward, every layer's weights, the
-    # stashed activations coming back): either may be the link term
+    # T >= out_F + in_B (stashed activations leaving in the forward, the backward packs' weights,
+    # the stashed activations coming back): either may be the link term. The criterion pack's
+    # weights come in during the forward phase (timing.py: it ends the phase), so in_B holds only
+    # those of the layers before it: with every layer's it counted them twice where out_F is the
+    # forward's link term (a last layer of large buffers: 13.6 ms over a plan of 10.5 ms)
     back = saved * per_in
     out = sum(profile.costs("FWD", u).saved for u in uf) * per_out
     best, totals = np.zeros(len(fits)), []
     rec = bwd / n
-    for link_s, link_w in ((back, w_in), (back + out, np.full(len(fits), w_all * per_in))):
+    for link_s, link_w in ((back, w_in), (back + out, w_before * per_in)):
         for lam in (0.0, 0.25, 0.5, 0.75, 1.0):
             st = (lam * no_rec + (1 - lam) * moved + exposed) / n
             # the bound is concave and piecewise linear in mu: its maximum is at a layer's breakpoint
@@ -364,14 +367,21 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
 
 def _backward_work(profile: Profile, hw: Hardware, cfg: Config, ub: list[int]):
     """Per layer, summed over the backward microbatches ``ub``: (backward with its recompute, without
-    it, the time its saved activations take to come in over the link, their bytes)."""
+    it, the time its saved activations take to come in over the link, their bytes).
+
+    Without the recompute: the backward less the forward, as measured, negative where a layer's
+    backward took less than its forward (a CPU profile's tiny or noisy layers). A stashed pack skips
+    its forward as a whole (tasks.py: its backward less the lesser of its forward and its backward),
+    which is at least the sum of its layers' differences but less than the sum of each clipped at 0
+    where the pack holds layers of both signs: that sum put the bound above the best plan, on one GPU
+    as on several (tests/test_bounds.py)."""
     R = profile.num_layers
     wait = (cfg.gpus if cfg.mode == "vDP" else 1) if hw.shared_host_link else 1   # a vDP transfer (tasks.py)
     bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
     for u, k in collections.Counter(ub).items():        # at most two sizes (split_microbatches)
         c = profile.costs("BWD", u)
         bwd += k * c.time
-        no_rec += k * np.maximum(c.time - forward_costs(profile, u).time, 0.0)
+        no_rec += k * (c.time - forward_costs(profile, u).time)
         moved += k * c.saved * wait / hw.h2d_bandwidth
         saved += k * c.saved
     return bwd, no_rec, moved, saved
@@ -391,7 +401,9 @@ def compute_floor(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: 
     ub = split_microbatches(share, cfg.u_bwd)
     ok = stash and stashable_layers(profile, hw, cfg, split_microbatches(share, cfg.u_fwd), ub)
     bwd, no_rec, moved, _ = _backward_work(profile, hw, cfg, ub)
-    work = float(np.where(ok, np.minimum.reduce([bwd, no_rec, moved]), bwd).sum())
+    # each term of a stashed layer at most its saved activations' way in, which its pack's microbatches
+    # take at least (tasks.py), whatever the sign of the layers' backward less forward
+    work = float(np.where(ok, np.minimum.reduce([bwd, np.maximum(no_rec, 0.0), moved]), bwd).sum())
     return work / cfg.ranks * (1 - 1e-9)
 
 
