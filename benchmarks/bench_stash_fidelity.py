@@ -28,19 +28,19 @@ import numpy as np
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from harmony_opt.bundled import load_profile  # noqa: E402
-from harmony_opt.errors import PlanError  # noqa: E402
-from harmony_opt.hardware import get_hardware  # noqa: E402
-from harmony_opt.io import atomic_write_text  # noqa: E402
-from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches  # noqa: E402
-from harmony_opt.reproduce import machine_description, markdown_table  # noqa: E402
-from harmony_opt.simulator import simulate  # noqa: E402
-from solver_models import dp, search  # noqa: E402
-from solver_models.planner import PlannerOptions, config_bound, configurations  # noqa: E402
-from solver_models.tasks import B, build_tasks, candidate_cuts, stashable_layers  # noqa: E402
-from solver_models.timing import evaluate, packs_of  # noqa: E402
+from harmony_opt.bundled import load_profile
+from harmony_opt.errors import PlanError
+from harmony_opt.hardware import get_hardware
+from harmony_opt.io import atomic_write_text
+from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
+from harmony_opt.reproduce import machine_description, markdown_table
+from harmony_opt.simulator import simulate
+from solver_models import dp, search
+from solver_models.bounds import config_bound
+from solver_models.options import PlannerOptions, configurations
+from solver_models.tasks import B, build_tasks, candidate_cuts, stashable_layers
+from solver_models.timing import evaluate, packs_of
 
 GiB = 2**30
 CASES = [(m, 64, 4, int(9e9 if m in ("bert_96", "gpt2_xl") else 10 * GiB)) for m in

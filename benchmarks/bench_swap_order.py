@@ -3,7 +3,7 @@
 Harmony fixes the order of the transfers in each stream by rule (weights in task order, each
 microbatch's input one ahead, outputs as they are made), and so do our compiler, executor and
 simulator unless a plan carries its own (``Plan.transfer_order``). The timeline model
-(solver_models/timeline.py) bounds what any other order could gain and, with ``order="free"`` or
+(solver_models/event_schedule.py) bounds what any other order could gain and, with ``order="free"`` or
 ``"carried"``, searches for one. For the planner's plan of each of the benchmark's 12 distinct
 full-space cases (bench_planner.py: D = 64 on 4 GPUs, D = 32 on 2; at D = 32 both modes give the
 same plan), in Harmony's order (``planner_streams``: the streams whose order the planner's plan
@@ -38,15 +38,14 @@ from pathlib import Path
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from harmony_opt.bundled import load_profile  # noqa: E402
-from harmony_opt.hardware import get_hardware  # noqa: E402
-from harmony_opt.io import atomic_write_text  # noqa: E402
-from harmony_opt.reproduce import machine_description, markdown_table  # noqa: E402
-from harmony_opt.simulator import simulate  # noqa: E402
-from solver_models.planner import PlannerOptions, plan  # noqa: E402
-from solver_models.timeline import solve_timeline  # noqa: E402
+from harmony_opt.bundled import load_profile
+from harmony_opt.hardware import get_hardware
+from harmony_opt.io import atomic_write_text
+from harmony_opt.reproduce import machine_description, markdown_table
+from harmony_opt.simulator import simulate
+from solver_models.planner import PlannerOptions, plan
+from solver_models.event_schedule import solve_timeline
 
 GiB = 2**30
 MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")

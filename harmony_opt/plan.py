@@ -23,7 +23,7 @@ starting the next pack earlier only makes the one after wait for memory (measure
 ``transfer_order`` (none by default, and none in Harmony's plans): per GPU, the order in which
 its activation swap-ins (``swap_in``) and swap-outs (``swap_out``) run, where it is not
 Harmony's rule (the task order, microbatch by microbatch). The planner's timeline model
-chooses it (solver_models/timeline.py); the simulator plays it and the compiler issues the
+chooses it (solver_models/event_schedule.py); the simulator plays it and the compiler issues the
 transfers in it. The transfers an order names take the places the named ones held in their
 stream, in its order; those it does not name keep theirs. Each transfer is named by
 :func:`transfer_key`: ``Y[12]@8+8`` is the output activation of layer 11 (input of 12) for the

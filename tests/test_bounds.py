@@ -7,8 +7,8 @@ and weights without gradients (buffers) in the last layers, on host links from s
 
 Each configuration's bounds (compute_floor, config_bound, pipeline_path_bound, the DP with every
 stash variant, the DP of the model keeping gradients on the GPU, CP-SAT's chain bound) against the
-exact optimum of the same model, by enumeration of every plan (tests/test_planner.py's
-``_every_plan``); and the planner's reported bounds against the objectives they bound."""
+exact optimum of the same model, by enumeration of every plan (tests/planner_cases.py's
+``every_plan``); and the planner's reported bounds against the objectives they bound."""
 from __future__ import annotations
 
 import math
@@ -18,17 +18,21 @@ import pandas as pd
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
+from harmony_opt import get_hardware, load_profile
 from harmony_opt.errors import InfeasibleError
 from harmony_opt.hardware import Hardware
 from harmony_opt.plan import data_shares, split_microbatches
 from harmony_opt.profile import Profile
-from solver_models import chain, dp
-from solver_models.planner import (PlannerOptions, compute_floor, config_bound, configurations, pipeline_path_bound,
-                                   plan)
-from solver_models.tasks import TICKS_PER_S, Config, build_tasks
+from solver_models import chain, dp, search
+from solver_models.bounds import compute_floor, config_bound, in_bound_order, pipeline_path_bound
+from solver_models.options import configurations
+from solver_models.planner import PlannerOptions, plan
+from solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts
 from solver_models.timing import evaluate
 
-from test_planner import _every_plan
+from conftest import synthetic_profile
+from planner_cases import every_plan, stashed
+from planner_cases import instance as planner_instance
 
 #: timing.py rounds every task's times to a tick; a bound in exact seconds may pass a plan's value by
 #: half a tick per task and column, never by a tick per task
@@ -76,7 +80,7 @@ def server(gpus: int, link: float, cap: int, p2p: float = 0.0) -> Hardware:
 def _best(tasks) -> tuple[float, int]:
     """(the model's optimum over every plan, the most tasks of a plan)."""
     best, most = math.inf, 0
-    for seq in _every_plan(tasks):
+    for seq in every_plan(tasks):
         best = min(best, evaluate(tasks, seq))
         most = max(most, len(seq))
     return best, most
@@ -91,7 +95,7 @@ def check_configuration(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     if not math.isfinite(best):
         return
     tol = most * TICK
-    # plans that may keep gradients on the GPU (planner._Search.handoff): a chain, a backward pack of one microbatch
+    # plans that may keep gradients on the GPU (state.Search.handoff): a chain, a backward pack of one microbatch
     shares = [batch] if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)
     handoff = cfg.ranks == 1 and any(len(split_microbatches(n, cfg.u_bwd)) == 1 for n in shares)
     kept = build_tasks(profile, hw, batch, cfg, cap, stash=stash, gpu_handoff=True) if handoff else None
@@ -224,3 +228,319 @@ def test_the_planner_reports_bounds_below_what_they_bound(R, seed, batch, tight,
     if s["bound"] is not None and s["objective"] is not None:
         assert s["bound"] <= s["objective"] + tol
     assert s["lower_bound_s"] <= p.simulated_iteration_time_s
+
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(3, 16), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
+       st.floats(0.2, 1.0), st.sampled_from([(1, "vPP"), (2, "vDP"), (2, "vPP"), (4, "vPP")]), st.booleans(),
+       st.sampled_from([8, 16]))
+# vPP instances where the criterion pack's path holds the bound within 4 % of the best plan found
+@example(R=3, seed=34, uf=1, ub=1, tight=0.39419391008353144, gm=(4, "vPP"), stash=False, batch=8)
+@example(R=3, seed=23, uf=4, ub=2, tight=0.302915379454109, gm=(4, "vPP"), stash=False, batch=16)
+def test_configuration_bound_is_below_every_plan_of_the_configuration(R, seed, uf, ub, tight, gm, stash, batch):
+    gpus, mode = gm
+    prof, hw, cap, cfg = planner_instance(R, seed, uf, ub, tight, gpus, mode=mode)
+    tasks = build_tasks(prof, hw, batch, cfg, cap, stash=stash)
+    starts, _ = search.starts(tasks, prof, tries=10)
+    bound = config_bound(prof, hw, batch, cfg, cap, stash)
+    # the balanced starts, each improved by the local search (the plans nearest the bound), and each
+    # with its backward packs' activations stashed (where the variant exists and fits): the plans the
+    # stash terms of the bound are about
+    plans = [seq for _, seq in starts] + [search.improve(tasks, seq, 60, seed=seed)[1] for _, seq in starts]
+    plans += [stashed(tasks, seq) for seq in plans]
+    for seq in plans:
+        assert bound <= evaluate(tasks, seq) + 1e-9
+    if cfg.ranks == 1:
+        # the DP with every stash variant, their memory coupling left out, bounds them all too
+        # (the planner's bound of a chain configuration), and without stash variants it is exact
+        relaxed = dp.solve_chain(tasks, relax_stash=True)
+        assert relaxed is None or all(relaxed[0] <= evaluate(tasks, seq) + 1e-9 for seq in plans)
+        if not stash:
+            exact = dp.solve_chain(tasks)
+            assert exact is None or bound <= exact[0] + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 8).flatmap(lambda R: st.tuples(
+    st.lists(st.integers(-1, R), min_size=R, max_size=R),
+    *(st.lists(st.integers(0, 9), min_size=R, max_size=R) for _ in range(3)))))
+def test_least_packing_is_the_cheapest_packing_by_brute_force(case):
+    """The shortest path over layer boundaries the vPP bound uses: every packing of [0, b - 1] into
+    packs that fit, enumerated."""
+    import itertools
+    import numpy as np
+    from solver_models.bounds import _least_packing
+    ends, start, top, first = case
+    R = len(ends)
+    max_end = np.maximum(np.asarray(ends), np.arange(R) - 1)       # max_pack_end's range
+    least = _least_packing(max_end, np.asarray(start, float), np.asarray(top, float), np.asarray(first, float))
+    assert least[0] == 0
+    for b in range(1, R):
+        best = np.inf
+        for k in range(b):
+            for inner in itertools.combinations(range(1, b), k):
+                bounds = [0, *inner, b]
+                packs = list(zip(bounds, bounds[1:]))
+                if all(c - 1 <= max_end[a] for a, c in packs):
+                    best = min(best, sum(start[a] + top[c] for a, c in packs) + first[packs[0][1]])
+        assert least[b] == best
+
+
+def test_vpp_bound_counts_the_handoffs_between_packs():
+    """vgg416, D=64, vPP on 4 GPUs with 4 microbatches: one microbatch's compute is the compute per
+    GPU, and what keeps the pipeline from it is the first microbatch's handoffs from pack to pack
+    and the last pack's other microbatches; the bound counts them (the cheapest packing's) and so
+    rises above both, still below the plans the search finds."""
+    prof, hw, cap = load_profile("vgg416"), get_hardware("1080ti-x4"), 10 * 2**30
+    cfg = Config("vPP", 4, 16, 16)
+    per_gpu = sum(float(prof.costs(p, 16).time.sum()) for p in ("FWD", "BWD"))   # 4 x 16 samples / 4 GPUs
+    bound = config_bound(prof, hw, 64, cfg, cap, stash=False)
+    tasks = build_tasks(prof, hw, 64, cfg, cap, stash=False)
+    best = min(v for v, _ in search.starts(tasks, prof, tries=4)[0])
+    assert per_gpu * 1.04 < bound <= best
+
+
+def test_stash_bound_counts_the_forward_time_stashing_costs():
+    """gpt2_medium, D=32, vPP on 2 GPUs, forward microbatches of 11: a stashed layer's activations
+    take longer to leave than the forward takes to compute them, and the model charges that to the
+    layer's backward pack (tasks.py), which costs about what skipping the recompute saves. The bound
+    with stash variants counts it: within 5 % of the bound without them (it was 11 % below when it
+    left it out; 4 % with the profile's saved activations estimated without dW), and still below
+    every plan found, stashed or not. The bound is checked with a stash variant on every layer;
+    with the planner's own (tasks.stashable_layers: only layers the link moves faster than they
+    recompute) it lies between that and the bound without stash."""
+    prof, hw, cap = load_profile("gpt2_medium"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
+    cfg = Config("vPP", 2, 11, 2)
+    every = np.ones(prof.num_layers, bool)
+    bound = config_bound(prof, hw, 32, cfg, cap, stash=True, stash_layers=every)
+    assert bound >= 0.95 * config_bound(prof, hw, 32, cfg, cap, stash=False)
+    assert bound - 1e-9 <= config_bound(prof, hw, 32, cfg, cap, stash=True) <= \
+        config_bound(prof, hw, 32, cfg, cap, stash=False) + 1e-9
+    tasks = build_tasks(prof, hw, 32, cfg, cap, stash=True, stash_layers=every)
+    starts = [seq for _, seq in search.starts(tasks, prof, tries=3)[0]]
+    plans = starts + [stashed(tasks, seq) for seq in starts]
+    assert any(evaluate(tasks, seq) < float("inf") and seq != plain for seq, plain in zip(plans[len(starts):], starts))
+    assert all(bound <= evaluate(tasks, seq) + 1e-9 for seq in plans)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(3, 5), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
+       st.floats(0.2, 1.0), st.sampled_from([(2, "vPP"), (3, "vPP"), (4, "vPP"), (2, "vDP")]), st.booleans(),
+       st.sampled_from([4, 8, 16]), st.sampled_from([1, 100]), st.booleans())
+# saved activations that take longer to come in than the layer's recompute: a bound counting them
+# for every layer, not the lesser of the two, is above the best plan here
+@example(R=5, seed=133, uf=1, ub=4, tight=0.9029743185670773, gm=(2, "vPP"), stash=True, batch=4, act_scale=100,
+         every_layer=True)
+@example(R=5, seed=994, uf=4, ub=4, tight=0.65757458206291, gm=(2, "vDP"), stash=True, batch=8, act_scale=100,
+         every_layer=False)
+# from the criterion pack's start: a bound taking every backward layer's recompute although stash
+# may replace it, or N (not N - 1) waits for the criterion pack's first microbatch, is above it here
+@example(R=4, seed=874, uf=2, ub=1, tight=0.8597980094580586, gm=(2, "vPP"), stash=True, batch=16, act_scale=1,
+         every_layer=True)
+@example(R=3, seed=562, uf=1, ub=4, tight=0.5375033816498669, gm=(2, "vPP"), stash=False, batch=4, act_scale=100,
+         every_layer=False)
+def test_bound_is_below_the_best_ofevery_plan(R, seed, uf, ub, tight, gm, stash, batch, act_scale, every_layer):
+    """The bound against the model's optimum by enumeration (every packing, every variant), so
+    that a term the bound adds for some plans but not others (the waits at the pipeline's ends,
+    which plans with few backward packs do not have) is caught on the plans no search would find;
+    with activations 100 times larger too, where a stashed layer's saved activations take longer
+    to come in than its recompute; with stash variants where the planner offers them
+    (tasks.stashable_layers) or on every layer, which vPP does not offer, so that the stash terms
+    are checked there too."""
+    gpus, mode = gm
+    prof, hw, cap, cfg = planner_instance(R, seed, uf, ub, tight, gpus, mode=mode, act_scale=act_scale)
+    layers = np.ones(R, bool) if every_layer else None
+    tasks = build_tasks(prof, hw, batch, cfg, cap, stash=stash, stash_layers=layers)
+    best = min((evaluate(tasks, seq) for seq in every_plan(tasks)), default=float("inf"))
+    assert config_bound(prof, hw, batch, cfg, cap, stash, stash_layers=layers) <= best + 1e-9
+    assert pipeline_path_bound(prof, hw, batch, cfg, cap, stash, stash_layers=layers) <= best + 1e-9
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(5, 7), st.integers(0, 1000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
+       st.floats(0.1, 0.6), st.sampled_from([2, 3, 4]), st.sampled_from([4, 8, 16]), st.sampled_from([1, 100]))
+# the per-GPU paths raise the bound here (0.223 -> 0.235 s and 0.171 -> 0.203 s; best plans 0.265 and 0.318 s)
+@example(R=7, seed=380, uf=1, ub=4, tight=0.47242341485450845, gpus=2, batch=8, act_scale=1)
+@example(R=6, seed=524, uf=1, ub=4, tight=0.277858333294156, gpus=3, batch=16, act_scale=1)
+def test_vpp_path_bound_is_below_every_plan_of_longer_chains(R, seed, uf, ub, tight, gpus, batch, act_scale):
+    """The per-GPU paths of ``pipeline_path_bound`` hold for plans whose backward runs in at least
+    N tasks, and weigh the tasks after the criterion pack by their position: on chains long enough
+    for that (tight memory, up to 7 layers, up to 4 GPUs), against every plan by enumeration."""
+    prof, hw, cap, cfg = planner_instance(R, seed, uf, ub, tight, gpus, mode="vPP", act_scale=act_scale)
+    tasks = build_tasks(prof, hw, batch, cfg, cap, stash=False)
+    best = min((evaluate(tasks, seq) for seq in every_plan(tasks)), default=float("inf"))
+    assert pipeline_path_bound(prof, hw, batch, cfg, cap, stash=False) <= best + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=1, max_size=40), st.data())
+def test_window_min_is_the_least_of_each_window(values, data):
+    from solver_models.bounds import _window_min
+    n = len(values)
+    lo = np.asarray(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=10)))
+    hi = np.asarray([data.draw(st.integers(-1, n - 1)) for _ in lo])
+    got = _window_min(np.asarray(values), lo, hi)
+    want = [min(values[a: b + 1]) if b >= a else np.inf for a, b in zip(lo, hi)]
+    assert list(got) == want
+
+
+def test_vpp_bound_counts_each_gpus_whole_forward_where_microbatches_outnumber_gpus():
+    """resnet1026, D=64, vPP on 4 GPUs, 5 forward microbatches of 13 and 4 backward ones of 16: the
+    forward keeps every GPU busy, which one microbatch's trip through it undercounts. Counting
+    each GPU's forward work before its first backward task, then the chain from there, bounds the
+    configuration above its compute per GPU (the cheap bound), which held the bound over every
+    configuration of that case 3 % under our plan, and still below the plans the search finds."""
+    prof, hw, cap = load_profile("resnet1026"), get_hardware("1080ti-x4"), 10 * 2**30
+    cfg = Config("vPP", 4, 13, 16)
+    cheap = config_bound(prof, hw, 64, cfg, cap, stash=False)
+    bound = pipeline_path_bound(prof, hw, 64, cfg, cap, stash=False)
+    tasks = build_tasks(prof, hw, 64, cfg, cap, stash=False, cuts=candidate_cuts(prof, 16))
+    seq = search.starts(tasks, prof)[0][0][1]
+    part, _ = search.partitioned(tasks, prof, *search.partition_grid(tasks, seq))
+    value = search.improve(tasks, min(part, key=lambda o: o[0])[1], 2000, seed=0)[0]
+    assert cheap * 1.01 < bound <= value
+
+
+def test_vpp_packs_at_every_layer_boundary_and_the_path_bound_meet():
+    """resnet1026, D=64, vPP on 4 GPUs, microbatches of 16: as many microbatches as GPUs, so the
+    pipeline idles by most of the difference between consecutive packs. Packing at every layer
+    boundary (not only the 129 candidate ones) finds a faster plan, and the serial path through
+    the largest pack, with every handoff, bounds every plan from below well above the cheap bound:
+    the two within 2 % where the cheap bound left 6 %."""
+    prof, hw, cap = load_profile("resnet1026"), get_hardware("1080ti-x4"), 10 * 2**30
+    cfg = Config("vPP", 4, 16, 16)
+    R = prof.num_layers
+
+    def best_of(tasks):
+        seq = search.starts(tasks, prof)[0][0][1]
+        part, _ = search.partitioned(tasks, prof, *search.partition_grid(tasks, seq))
+        return search.improve(tasks, min(part, key=lambda o: o[0])[1], 2000, seed=0)[0]
+    coarse = best_of(build_tasks(prof, hw, 64, cfg, cap, stash=False, cuts=candidate_cuts(prof, 16)))
+    fine = best_of(build_tasks(prof, hw, 64, cfg, cap, stash=False, per_start=R))
+    cheap = config_bound(prof, hw, 64, cfg, cap, stash=False)
+    path = pipeline_path_bound(prof, hw, 64, cfg, cap, stash=False)
+    assert fine < 0.99 * coarse
+    assert cheap < path <= fine
+    assert (fine - path) / fine < 0.02 < (fine - cheap) / fine
+
+
+def test_vpp_bound_counts_the_waits_at_the_pipeline_ends():
+    """gpt2_medium, D=64, vPP on 4 GPUs, microbatches of 13/5: GPU g starts only once the first
+    microbatch has passed the g packs before it, and waits at the end for the last microbatch to
+    pass the packs after its last one. The bound counts these waits (the cheapest packing's) on top
+    of the compute per GPU, which bounded it alone before: more than 1 % above it, still below the
+    plans the search finds."""
+    prof, hw, cap = load_profile("gpt2_medium"), get_hardware("1080ti-x4"), 10 * 2**30
+    cfg = Config("vPP", 4, 13, 5)
+    R = prof.num_layers
+    # compute per GPU of the plans whose criterion pack [s, R-1] fits, the least over s
+    fits = [s for s in range(R) if prof.costs("BWD", 5).pack_memory(s, R - 1) <= cap]
+    backward = sum(float(prof.costs("BWD", u).time.sum()) for u in split_microbatches(64, 5))
+    per_gpu = min(backward + sum(prof.costs("FWD", u).pack_time(0, s - 1) for u in split_microbatches(64, 13))
+                  for s in fits) / 4
+    bound = config_bound(prof, hw, 64, cfg, cap, stash=False)
+    assert bound > 1.01 * per_gpu
+    tasks = build_tasks(prof, hw, 64, cfg, cap, stash=False)
+    starts = [seq for _, seq in search.starts(tasks, prof, tries=3)[0]]
+    assert all(bound <= evaluate(tasks, seq) + 1e-9 for seq in starts)
+
+
+@pytest.mark.parametrize("uf, stash, within", [(1, False, 0.97), (2, True, 0.85)])
+def test_vpp_bound_of_one_backward_microbatch_counts_the_forward_per_gpu_then_the_backward(uf, stash, within):
+    """bert_large, D=64, vPP on 2 GPUs, the backward on one microbatch of 64: it cannot overlap the
+    forward of other microbatches, so the iteration takes at least the forward compute per GPU and
+    then the whole serial backward. Each bound was below 80 % of the plan the search finds before
+    it counted that (and, with stash variants, the saved activations coming back in over the link
+    that a stashed layer waits for instead of its recompute: 58 %); it is now within a few %."""
+    prof, hw, cap = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
+    cfg = Config("vPP", 2, uf, 64)
+    bound = config_bound(prof, hw, 64, cfg, cap, stash=stash)
+    tasks = build_tasks(prof, hw, 64, cfg, cap, stash=stash)
+    starts, _ = search.starts(tasks, prof)
+    value = search.improve(tasks, starts[0][1], 600, seed=0)[0]
+    assert within * value <= bound <= value + 1e-9
+
+
+def test_vpp_bound_counts_the_work_from_the_criterion_pack_on():
+    """bert_large, D=32, vPP on 2 GPUs, microbatches of 11/7: every backward task starts after the
+    criterion pack's first microbatch and the criterion pack's GPU runs its backward tasks after it,
+    so from the criterion pack's start the GPUs have its compute, the other GPU's wait for its first
+    microbatch and every backward compute to do; with stash variants, mixed with the backward
+    phase's traffic. This configuration held the bound over every configuration of that case
+    (3.62 s, 2.3 % under our plan); it is now bounded within 5 % of the plan the search finds."""
+    prof, hw, cap = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
+    cfg = Config("vPP", 2, 11, 7)
+    bound = config_bound(prof, hw, 32, cfg, cap, stash=True)
+    tasks = build_tasks(prof, hw, 32, cfg, cap, stash=True)
+    starts, _ = search.starts(tasks, prof)
+    value = min(search.improve(tasks, seq, 600, seed=0)[0] for _, seq in starts[:3])
+    assert 0.95 * value <= bound <= value + 1e-9
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(3, 40), st.integers(0, 1000), st.sampled_from([8, 16, 24]), st.floats(0.3, 1.5),
+       st.booleans(), st.booleans())
+# floor and bound equal but for the last bit of their float sums, the floor's above (before it was
+# rounded down): tied configurations came out of order
+@example(R=3, seed=10, batch=16, tight=1.0, stash=False, act=False)
+@example(R=10, seed=642, batch=24, tight=1.0, stash=False, act=False)
+def test_configurations_come_in_bound_order_with_bounds_computed_lazily(R, seed, batch, tight, stash, act):
+    """in_bound_order yields the hint's configuration, then the others sorted by (bound, name), as
+    sorting every bound would; the floor it queues them at is never above the bound (or the order
+    would be wrong); and a search that stops at the first bound over a threshold computes fewer
+    bounds than there are configurations."""
+    prof = synthetic_profile(R=R, seed=seed, act_scale=100 if act else 1)
+    hw = get_hardware("1080ti-x4")
+    cap = int(prof.costs("BWD", 8).pack_memory(0, R - 1) * tight)
+    configs = configurations(prof, hw, batch, PlannerOptions(uneven=True))
+    floor = {c: compute_floor(prof, hw, batch, c, cap, stash) for c in configs}
+    bound = {c: config_bound(prof, hw, batch, c, cap, stash) for c in configs}
+    for c in configs:
+        assert floor[c] <= bound[c] * (1 + 1e-12), c
+        assert np.isfinite(floor[c]) or not np.isfinite(bound[c])      # no criterion pack fits: both say so
+    live = [c for c in configs if np.isfinite(floor[c])]
+    first = live[len(live) // 2] if live else None
+    computed = []
+
+    def lazy(c):
+        computed.append(c)
+        return bound[c]
+    got = list(in_bound_order(live, floor, lazy, first))
+    rest = sorted((c for c in live if c != first and np.isfinite(bound[c])), key=lambda c: (bound[c], str(c)))
+    head = [first] if first is not None and np.isfinite(bound[first]) else []
+    assert [c for c, _ in got if np.isfinite(_)] == head + rest
+    assert all(b == bound[c] for c, b in got)
+    if rest:        # stopping at the median bound: a configuration whose floor is above it is never bounded
+        median = bound[rest[len(rest) // 2]]
+        computed.clear()
+        for c, b in in_bound_order(live, floor, lazy):
+            if b >= median:
+                break
+        assert all(floor[c] <= median for c in computed)
+        assert set(computed) >= {c for c in live if bound[c] < median}
+
+
+def test_vpp_path_bound_ends_where_the_first_layer_takes_no_time():
+    """Its grid of thresholds started at the first layer's compute and grew by 3 % a step: a first
+    layer of no time (random profiles have them) kept it at 0 for ever (found by fuzzing with host
+    budgets, harmony_opt.fuzzing). An alarm turns a hang into a failure."""
+    import signal
+
+    from harmony_opt.profile import Profile
+    base = synthetic_profile(R=4, seed=3)
+    micro = base.microbatch.copy()
+    micro.loc[micro.layer == 0, "gpu_time_s"] = 0.0
+    prof = Profile("zero-first", base.layers, micro, {"model": "zero-first"})
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+
+    def hang(*_):
+        raise TimeoutError("pipeline_path_bound did not return in 30 s")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(30)
+    try:
+        bound = pipeline_path_bound(prof, hw, 8, Config("vPP", 2, 2, 2), 10 * 2**30, False)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert 0 < bound < float("inf")

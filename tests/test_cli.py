@@ -146,12 +146,13 @@ def test_plan_uses_the_cores_it_may_run_on_unless_told(capsys, monkeypatch, argv
     import os
 
     import solver_models.planner as planner
+    from harmony_opt.errors import UsageError
 
     seen = []
 
     def fake_plan(profile, hw, batch, opts, **kw):
         seen.append(opts.processes)
-        raise planner.UsageError("stop here")
+        raise UsageError("stop here")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores, raising=False)
     monkeypatch.setattr(planner, "plan", fake_plan)
     rc, _, err = run(capsys, "plan", "--profile", "bert_large", "--batch", "8", "--quiet", *argv)

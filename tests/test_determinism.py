@@ -77,7 +77,7 @@ def test_more_processes_give_the_same_plan_file(tmp_path, monkeypatch):
     processes did do the work (both steps went through the pool)."""
     import concurrent.futures
 
-    import solver_models.planner as planner
+    import solver_models.pool as pool
     from harmony_opt.bundled import load_profile
     from solver_models.planner import PlannerOptions, plan
     calls = {"submit": 0, "map": 0}
@@ -90,7 +90,7 @@ def test_more_processes_give_the_same_plan_file(tmp_path, monkeypatch):
         def map(self, *a, **k):
             calls["map"] += 1
             return super().map(*a, **k)
-    monkeypatch.setattr(planner.concurrent.futures, "ProcessPoolExecutor", Counted)
+    monkeypatch.setattr(pool.concurrent.futures, "ProcessPoolExecutor", Counted)
     profile, hw = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2)
     files = [plan(profile, hw, 32, PlannerOptions(time_limit=4, uneven=True, processes=n),
                   memory_cap=10 * 2**30).save(tmp_path / f"{n}.json").read_bytes() for n in (1, 2)]

@@ -174,7 +174,7 @@ def test_skipping_sizes_returns_what_simulating_every_size_returns(case):
 
 def test_cp_sat_with_stash_variants_keeps_the_packs_at_every_layer_boundary():
     """Found by the soak (benchmarks/results/fuzz_host_budgets.md): 195 layers, vPP offers stash, and
-    the local search packed at every layer boundary (planner._every_boundary); CP-SAT's table with
+    the local search packed at every layer boundary (steps.improve.every_boundary); CP-SAT's table with
     the stash variants held only the 128 longest packs per start, so the search's short first pack
     was not in it (KeyError)."""
     case = FuzzCase(layers=195, seed=772178812, batch=61, gpus=4, cap_factor=19.95482322120151)

@@ -153,7 +153,7 @@ def solver_summary(s: dict) -> list[str]:
                    + (f", {s['out_of_budget']} not reached in the time limit" if s.get("out_of_budget") else "") + ")")
     t = s.get("timeline")
     if t and t.get("objective") is not None:
-        from solver_models.timeline import HINT
+        from solver_models.event_schedule import HINT
         source = "no schedule found in its time: the simulator's" if t["status"] == HINT else \
             f"CP-SAT {t['status'].lower()}"
         o = t.get("transfer_order")

@@ -1,0 +1,205 @@
+"""Step 3 of plan(): improve the promising configurations' first solutions (local search, CP-SAT) and tighten bounds."""
+from __future__ import annotations
+
+import dataclasses
+
+
+
+from .. import chain, dp, pipeline, pool, search
+from ..bounds import pipeline_path_bound
+from ..budget import FINE_CUTS, MAX_PIPELINE_VARIABLES, Budget, Tally
+from ..state import Candidate, Search
+from ..tasks import Tasks, build_tasks, candidate_cuts
+from ..timing import evaluate
+from .first import afford_dp
+
+
+def tighten(S: Search, c: Candidate, floor: bool = False) -> None:
+    """A vPP configuration's bound from its serial paths (``pipeline_path_bound``). A chain
+    configuration's bounds from the DP: with the stash variants, their memory coupling left
+    out (dp.py), the DP's optimum bounds every plan of the model searched (``bound``); with gradients
+    kept on the GPU too, whose every cost is at most the plain model's, every plan of every variant
+    (``floor``, with ``floor=True``). Milliseconds per configuration; run where it can matter: the
+    CP-SAT candidates (is the DP solution already optimal?) and the configuration holding the bound
+    over all of them down."""
+    if c.cfg.ranks > 1:
+        if not c.pathed:
+            c.pathed = True
+            value = pipeline_path_bound(S.profile, S.hw, S.batch, c.cfg, S.cap, S.stash(c.cfg), upto=c.value)
+            S.budget.spend(Budget.PER_PATH_LAYER * S.profile.num_layers)
+            # at most the value in ticks (timing.py rounds each task's times to 100 us)
+            c.bound = c.floor = max(c.bound, min(value, c.value))
+        return
+    for kept in [k for k, todo in ((False, not c.tight), (True, floor and not c.tight_floor)) if todo]:
+        tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=S.stash(c.cfg),
+                            cuts=c.tasks.cuts, gpu_handoff=kept)
+        S.budget.spend(Budget.PER_ROW * len(tasks.table) + Budget.dp(tasks))
+        r = dp.solve_chain(tasks, relax_stash=True)
+        if r is not None and tasks.host_budget is not None:     # the Lagrangian bound of the host budget
+            r = dp.within_host(tasks, r, lambda: afford_dp(S, tasks), steps=3, relax_stash=True)
+            r = None if r is None else (r[2], r[1])
+        value = r[0] if r is not None else float("inf")
+        if kept:
+            c.tight_floor, c.floor = True, max(c.floor, value)
+        else:
+            c.tight, c.bound = True, max(c.bound, value)
+            if c.tight_floor:           # no variant with kept gradients: the same bound
+                c.floor = max(c.floor, value)
+
+
+def local_search(S: Search, found: list[Candidate]) -> None:
+    """Local search on the three most promising vPP configurations (a chain's DP solution is optimal),
+    after the one of lowest bound if it is not among them: a first solution rates a configuration
+    of few microbatches far above what its packs can reach (resnet1026 D=64 vPP x4 u=16/16: first
+    4.0 s, fourth of the vPP configurations, 3.75 s after the search; its bound is the lowest, and
+    the space's gap rests on it)."""
+    vpp = sorted((c for c in found if c.cfg.ranks > 1), key=lambda c: (c.value, str(c.cfg)))
+    steps = 2000 if S.opts.time_limit >= 5 else 600
+    lowest = min(vpp, key=lambda c: (c.bound, str(c.cfg)), default=None)
+    extra = [lowest] if lowest is not None and all(lowest is not c for c in vpp[:3]) else []
+    todo = extra + vpp[:3]      # the lowest bound first: the budget may not reach the fourth
+    # and from the packs that minimise the largest pack (search.partitioned): where the model rates
+    # that better, the first solution stays a candidate too, and the simulator judges both. Not
+    # under Harmony's cost model, whose simulator the model does not describe: it plays such
+    # many-pack plans far slower than rated (resnet1026 D=64 vPP x4: 5.88 s, model 3.81 s)
+    partition = S.opts.cost_model == "default"
+    ahead = [S.pool.submit(_searched_in_process, c, steps, S.opts.seed + k, partition) for k, c in enumerate(todo)] \
+        if S.pool is not None else None
+    for k, c in enumerate(todo):
+        if S.budget.left(0.6) <= 0:
+            return
+        # its parts, each computed only where taken (one process) or all at once (another process),
+        # taken as one process does: the same charges, the same checks between them
+        parts = iter(ahead[k].result()) if ahead is not None else _searched(S, c, steps, S.opts.seed + k, partition)
+        value, seq, spent = next(parts)
+        S.budget.spend(spent)
+        if value < c.value:
+            c.value, c.seq, c.how = value, seq, "search"
+        if partition and S.budget.left(0.6) > 0:
+            spent, start = next(parts)
+            for seconds in spent:
+                S.budget.spend(seconds)
+            if start < c.value and S.budget.left(0.6) > 0:  # only where it starts ahead: the descent
+                value, seq, spent, tasks = next(parts)       # rarely overtakes a better start
+                S.budget.spend(spent)
+                if value < c.value:
+                    if tasks is None:   # built and charged in the other process, which did not send it
+                        tasks = every_boundary(dataclasses.replace(S, budget=Tally(S.budget.total), pool=None), c)[0]
+                    found.append(dataclasses.replace(c))
+                    c.tasks, c.value, c.seq, c.how = tasks, value, seq, "search"
+        S.say(f"local search {c.cfg}: model {c.value:.4f} s (bound {c.bound:.4f})")
+
+
+def _searched(S: Search, c: Candidate, steps: int, seed: int, partition: bool):
+    """The parts of one candidate's local search, each with what it costs the budget, touching
+    neither (local_search charges and applies them), computed as they are asked for: the descent
+    from ``c``'s sequence; the packings that minimise the largest pack, at every layer boundary (a
+    model of more layers than candidate boundaries, tasks.candidate_cuts, is otherwise packed in
+    blocks, and with as few microbatches as GPUs a pipeline idles by most of the difference between
+    consecutive packs: resnet1026 D=64 vPP x4 u=16/16, 3.813 s at the 129 candidate boundaries,
+    3.746 s at all 516); and the descent from the best of them, where it starts ahead."""
+    value, seq, work = search.improve(c.tasks, c.seq, steps, seed=seed)
+    yield value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work
+    if not partition:
+        return
+    if value < c.value:
+        c = dataclasses.replace(c, value=value, seq=seq)
+    scratch = dataclasses.replace(S, budget=Tally(S.budget.total), pool=None)     # lists every_boundary's
+    tasks, seq = every_boundary(scratch, c)
+    part, work = search.partitioned(tasks, S.profile, *search.partition_grid(tasks, seq))
+    start = min(part, key=lambda o: o[0], default=(float("inf"), None))
+    yield scratch.budget.spent + [Budget.PER_PARTITION + Budget.PER_START * work], start[0]
+    if start[0] < c.value:
+        value, seq, work = search.improve(tasks, start[1], steps, seed=seed)
+        yield value, seq, Budget.PER_STEP * steps + Budget.PER_TASK * work, tasks
+
+
+def _searched_in_process(c: Candidate, steps: int, seed: int, partition: bool) -> list:
+    """Every part of ``_searched``, in a process of processes, but the table of every boundary, which
+    the planner's process builds again where it takes the descent's result: sending it back costs
+    more (resnet1026: 250,000 tasks, 35 MB)."""
+    parts = list(_searched(pool.FORKED, c, steps, seed, partition))
+    if len(parts) == 3:
+        parts[2] = (*parts[2][:3], None)
+    return parts
+
+
+def every_boundary(S: Search, c: Candidate) -> tuple[Tasks, list]:
+    """``c``'s tasks with every layer boundary a candidate and every pack that fits (not only the
+    longest per start, tasks.MAX_ARCS_PER_START), and ``c``'s sequence in them."""
+    R = S.profile.num_layers
+    if len(c.tasks.cuts) == R + 1:      # all of them already, and at most R packs per start
+        return c.tasks, c.seq
+    # beyond FINE_CUTS boundaries, that many (the table grows with their square)
+    cuts = candidate_cuts(S.profile, c.cfg.u_bwd, max_cuts=FINE_CUTS, keep=c.tasks.cuts)
+    tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options,
+                        stash=bool((~c.tasks.table.recompute).any()), cuts=cuts, per_start=R)
+    S.budget.spend(Budget.PER_CONFIG + 2 * Budget.PER_ROW * len(tasks.table))     # and its index
+    return tasks, carried(c, tasks)
+
+
+def carried(c: Candidate, tasks: Tasks) -> list:
+    """``c``'s sequence as rows of ``tasks``, another task table of its configuration."""
+    idx = tasks.table.index()
+    return [idx[c.tasks.table.key(k)] for k in c.seq]
+
+
+def cp_sat(S: Search, found: list[Candidate]) -> None:
+    """Step 3: CP-SAT on the four most promising configurations, with the stash variants, from the
+    first solution as a complete hint. A chain whose DP optimum already meets the link floors is
+    skipped (proven optimal by the DP where the forward queue and the waits two back, which neither
+    counts, do not bind); a vPP model too large for the budget is left to the local search."""
+    best = {}
+    for c in sorted(found, key=lambda c: (c.value, str(c.cfg))):
+        best.setdefault(c.cfg, c)          # one solve per configuration, from its best solution
+    for c in list(best.values())[:4]:
+        left = S.budget.left(0.85 - S.timeline_share)
+        if left <= 0.1:
+            return
+        tighten(S, c)
+        if c.cfg.ranks == 1 and c.how == "dp" and evaluate(c.tasks, c.seq, pairwise=True) <= c.bound + 1e-9:
+            # the DP's optimum with every variant meets what the chain model counts: nothing for CP-SAT
+            # to improve (it leaves out the forward queue and the waits two back, too)
+            if c.value <= c.bound + 1e-9:
+                c.proof = "dp"
+            continue
+        tasks, seq = c.tasks, c.seq
+        if S.stash(c.cfg):
+            # the same candidate packs as ``c``'s (its packs at every layer boundary, every_boundary,
+            # are not all among the longest per start)
+            tasks = S.tasks(c.cfg, stash=True, cuts=c.tasks.cuts, per_start=c.tasks.per_start)
+            seq = carried(c, tasks)
+        lay, size = None, len(tasks.table)
+        if c.cfg.ranks > 1:
+            nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
+            lay = pipeline.layout(tasks, nf + 2 * c.cfg.ranks, len(seq) - nf + 2 * c.cfg.ranks,
+                                  most=MAX_PIPELINE_VARIABLES)
+            if lay is None:
+                continue
+            size = sum(len(r) for r in lay.rows)
+        build_cost = Budget.PER_MODEL_ROW * size + Budget.PER_SOLVE
+        limit = min(left - build_cost, 0.4 * S.budget.total)
+        if limit < 0.2:
+            continue
+        S.budget.spend(build_cost)
+        limits = S.budget.cp_sat_limits(limit, 0.85 - S.timeline_share)
+        common = dict(**limits, seed=S.opts.seed, workers=S.opts.workers, rel_gap=S.opts.rel_gap, hint=seq,
+                      report=S.say, label=str(c.cfg))
+        res = chain.solve(tasks, **common) if lay is None else pipeline.solve(tasks, layout_=lay, **common)
+        S.budget.spend(res.deterministic_time)
+        S.budget.solved(res.status, res.wall_time, limits)
+        c.solve = res
+        if res.objective is not None:
+            v = evaluate(tasks, res.sequence)
+            if v < c.value and c.cfg.ranks > 1:
+                # the vPP model can be far off where CP-SAT exploits it: the simulator sees both
+                found.append(dataclasses.replace(c, solve=None))
+            if v < c.value or (v == c.value and c.cfg.ranks == 1):
+                # credited to CP-SAT where it improved the solution (or proved a chain's optimum)
+                c.tasks, c.seq, c.value, c.how = tasks, res.sequence, v, "cp-sat"
+            if c.cfg.ranks == 1:
+                # a bound on every plan of the configuration (vPP: only on plans with at most the
+                # positions the model was given, so it is not used)
+                c.bound = max(c.bound, res.bound)
+        shown = "no solution" if res.objective is None else f"{res.objective:.4f} s"
+        S.say(f"CP-SAT {c.cfg}: {res.status.lower()}, {shown}, bound {res.bound:.4f} s")

@@ -1,0 +1,186 @@
+"""Steps 4 and 5 of plan(): the simulator judges the candidates; the winner is then polished against
+the simulator."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from harmony_opt.plan import Plan
+
+from .. import dp, pool, search
+from ..budget import HANDOFF_PRICES, SIMULATE_WITHIN, Budget
+from ..state import Candidate, Search
+from ..tasks import build_tasks
+from ..timing import evaluate, phase_parts
+from .first import afford_dp
+from .improve import carried, tighten
+
+
+def judge_candidates(S: Search, found: list[Candidate], incumbent: Plan | None):
+    """Step 4: simulate the best candidates (at least two, then while the model rates them within
+    SIMULATE_WITHIN of the best); the fastest wins, Harmony's plan being the incumbent. Returns
+    (plan, simulated time, its candidate or None when Harmony's plan stayed the best)."""
+    best_plan, best_c = incumbent, None
+    best_t = incumbent.simulated_iteration_time_s if incumbent is not None else float("inf")
+    found.sort(key=lambda c: (c.value, str(c.cfg)))
+    for k, c in enumerate(found[:12]):
+        if k >= 2 and (S.budget.left(1.0 - S.timeline_share) <= 0 or c.value > SIMULATE_WITHIN * found[0].value):
+            break
+        cand = S.plan_of(c, c.seq)
+        t = S.judge(cand)
+        S.say(f"simulated {c.cfg} ({c.how}): {S.shown(t)} (model {c.value:.4f} s)"
+              + ("  <- best" if t < best_t else ""))
+        if t < best_t:
+            best_plan, best_t, best_c = cand, t, c
+        if S.handoff(c.cfg):
+            kept = cand.replace(gpu_handoff=True)
+            t = S.judge(kept)
+            S.say(f"simulated {c.cfg} ({c.how}), gradients kept on the GPU: {S.shown(t)}"
+                  + ("  <- best" if t < best_t else ""))
+            if t < best_t:
+                best_plan, best_t, best_c = kept, t, c
+    if best_plan is None:
+        raise S.infeasible()
+    if best_c is not None:
+        best_c.handoff = best_plan.gpu_handoff
+    return best_plan, best_t, best_c
+
+
+def handoff_chains(S: Search, c: Candidate, plan_: Plan, t_best: float) -> tuple[Plan, float]:
+    """Step 4b, where the winner ``c`` is a chain whose plans may keep gradients on the GPU: the
+    chains of that model itself. The search ran on the model without (where the handoffs cost link
+    time, so it favours few backward packs) and only judged its chains with the gradients kept;
+    with them many small backward packs are cheap, until the checkpoints they stash during the
+    forward fill the shared link: a phase floor, which the DP leaves out. So the DP runs on that
+    model with the binding link traffic priced (``theta`` ticks per tick of it, a Lagrangian term),
+    theta doubling until the floor no longer binds, and the simulator judges each distinct chain
+    (vgg416, D=64, vDP on 4 GPUs, u=8/16: 8.109 s found before; these chains play in 8.08-8.24 s, and
+    the simulator's descent from the fastest reaches 8.011 s within the budget). Updates ``c`` where
+    one is faster."""
+    tasks = S.tasks(c.cfg, cuts=c.tasks.cuts, gpu_handoff=True)
+    d = tasks.ticks()
+    bwd = d["backward"].astype(bool)
+    terms = {"forward in": np.where(bwd, 0, d["link_in"]), "forward out": d["link_out_fwd"],
+             "backward in": np.where(bwd, d["link_in"], 0), "backward out": d["link_out"] - d["link_out_fwd"]}
+
+    def binding(seq) -> np.ndarray | None:
+        """The link traffic of the phases whose floor ``seq`` reaches (pairwise), or None: of each such
+        phase, the direction its floor (the larger of the two) counts. None too where ``seq`` does not
+        fit the host's memory (the DP does not count it), which ends the pricing there."""
+        parts = phase_parts(tasks, seq, pairwise=True)
+        if parts is None:
+            return None
+        fwd_part, fwd_link, bwd_part, bwd_link = parts
+        cols = [max(pair, key=lambda k: int(terms[k][seq].sum())) for pair, part, link in
+                ((("forward in", "forward out"), fwd_part, fwd_link), (("backward in", "backward out"), bwd_part,
+                                                                        bwd_link)) if link > part]
+        return sum(terms[k] for k in cols) if cols else None
+    chains, priced = [], None
+    for theta in HANDOFF_PRICES:
+        if not afford_dp(S, tasks):
+            break
+        r = dp.solve_chain(tasks, price=None if theta == 0 else np.floor(theta * priced).astype(np.int64))
+        if r is None:
+            break
+        seq = r[1]
+        value = evaluate(tasks, seq)
+        S.budget.spend(Budget.PER_TASK * len(seq))
+        if np.isfinite(value) and seq not in [s for s, _ in chains]:
+            chains.append((seq, value))
+        cols = binding(seq)
+        if cols is None:            # no floor binds: a higher price only trades time for traffic
+            break
+        if theta == 0:
+            priced = cols
+    if not chains:
+        return plan_, t_best
+    chains.sort(key=lambda sv: sv[1])       # the best rated first (stable: in the order of their price)
+    kept = dataclasses.replace(c, tasks=tasks, handoff=True)
+    cands = [S.plan_of(kept, seq) for seq, _ in chains]
+    # kept for the timeline model of whichever plan wins: the one of most packs has the most events
+    reserve = max(S.timeline_reserve(p) for p in (plan_, max(cands, key=lambda p: len(p.packs_fwd) + len(p.packs_bwd))))
+    if S.budget.left(reserve=reserve) <= 0:
+        return plan_, t_best
+    results = list(S.pool.map(pool.play, cands)) if S.pool is not None else [None] * len(cands)
+    for j, ((seq, value), cand, result) in enumerate(zip(chains, cands, results)):
+        if j and S.budget.left(reserve=reserve) <= 0:
+            break
+        t = S.judge(cand, result)
+        S.say(f"simulated {c.cfg} (dp with gradients kept on the GPU, link priced): {S.shown(t)} (model {value:.4f} s)"
+              + ("  <- best" if t < t_best * (1 - 1e-9) else ""))
+        if t < t_best * (1 - 1e-9):
+            plan_, t_best = cand, t
+            c.tasks, c.seq, c.value, c.how, c.proof, c.solve, c.handoff = tasks, seq, value, "dp, link priced", None, \
+                None, True
+    return plan_, t_best
+
+
+def with_handoff(S: Search, c: Candidate) -> None:
+    """The model of ``c``'s configuration with gradients kept on the GPU (tasks.py), for a candidate
+    whose plan keeps them: its value there, and a bound valid for that model (``c.floor``: the DP's
+    optimum of that model with every stash variant, or the cheap bound). The search itself ran on
+    the model without (it describes the simulator more closely where many backward packs stash
+    inputs during the forward, which the kept handoffs would otherwise make cheap; docs/planner.md)."""
+    stash = bool((~c.tasks.table.recompute).any())
+    tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=stash, cuts=c.tasks.cuts,
+                        gpu_handoff=True)
+    seq = carried(c, tasks)
+    tighten(S, c, floor=True)
+    c.tasks, c.seq, c.value, c.bound, c.proof, c.solve = tasks, seq, evaluate(tasks, seq), c.floor, None, None
+    c.how = f"{c.how}, gradients kept on the GPU"
+    if c.value <= c.bound + 1e-9:
+        c.proof = "dp"
+
+
+def polish(S: Search, c: Candidate, plan_: Plan, t_best: float, found: list[Candidate]) -> tuple[Plan, float]:
+    """Step 5: first-improvement descent judged by the simulator (the model is a few % off in
+    places): move one pack boundary by one candidate boundary, or toggle one pack's optimizer
+    placement (search.neighbours, a fixed order); stop at a local optimum or when the budget share
+    is spent. The scan goes on from the neighbour that improved (the same move often improves
+    again) instead of starting over, and a plan simulated once is not simulated again: it was
+    slower than the best then, and the best only gets faster. Updates ``c``.
+
+    With ``processes`` > 1 the next neighbours in the scan are simulated at once, one per process,
+    and their results taken in scan order as one process would take them: a result after an
+    improving neighbour is dropped, not charged, so the plan does not depend on ``processes``."""
+    # kept: the timeline model's share, and the vPP path bounds the report may need (tighten)
+    loose = sum(1 for f in found if f.cfg.ranks > 1 and not f.pathed and f.bound < c.value)
+    reserve = S.timeline_reserve(plan_) + Budget.PER_PATH_LAYER * S.profile.num_layers * min(loose, 4)
+    judged = {tuple(c.seq)}
+    at = 0              # where the scan goes on: the position of the last improving move
+    workers = S.pool
+    width = S.opts.processes if workers is not None else 1
+    improved = True
+    while improved:
+        improved = False
+        moves = list(search.neighbours(c.tasks, c.seq))
+        keys = [tuple(m) for m in moves]
+        scan, seen = [], set(judged)
+        for k in range(len(moves)):         # the neighbours not simulated yet, in scan order
+            i = (at + k) % len(moves)
+            if keys[i] not in seen:
+                seen.add(keys[i])
+                scan.append(i)
+        for first in range(0, len(scan), width):
+            batch = scan[first:first + width]
+            if S.budget.left(reserve=reserve) <= 0:
+                return plan_, t_best
+            cands = [S.plan_of(c, moves[i]) for i in batch]
+            results = list(workers.map(pool.play, cands)) if workers is not None else [None] * len(cands)
+            for j, (i, cand, result) in enumerate(zip(batch, cands, results)):
+                if j and S.budget.left(reserve=reserve) <= 0:
+                    return plan_, t_best
+                seq = moves[i]
+                judged.add(keys[i])
+                t = S.judge(cand, result)
+                S.budget.spend(Budget.PER_TASK * len(seq))
+                if t < t_best * (1 - 1e-9):
+                    S.say(f"simulated neighbour of {c.cfg}: {t:.4f} s  <- best")
+                    plan_, t_best, at = cand, t, i
+                    c.seq, c.value, c.how, c.proof = seq, evaluate(c.tasks, seq), "polish", None
+                    improved = True
+                    break
+            if improved:
+                break
+    return plan_, t_best
