@@ -78,6 +78,13 @@ def atomic_write_json(path: str | Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def write_results(out: str | Path, table, markdown: str) -> Path:
+    """A benchmark's results: every column in ``out``.csv (a pandas DataFrame), the page in ``out``.md."""
+    out = Path(out)
+    atomic_write_text(out.with_suffix(".csv"), table.to_csv(index=False, float_format="%.6g"))
+    return atomic_write_text(out.with_suffix(".md"), markdown)
+
+
 def _output_error(path: Path, e: OSError) -> OutputError:
     reason = e.strerror or str(e) or type(e).__name__
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)

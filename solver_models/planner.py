@@ -32,6 +32,7 @@ plans (harmony_opt.bound) and the speed-up over Harmony's search.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -115,12 +116,53 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     program would not, it searches again under a lower cap, and refuses with the figures where
     that fails too."""
     cap = int(memory_cap or hw.gpu_memory_bytes)
-    return fit_to_program(lambda c: _plan(profile, hw, batch, options, memory_cap=c, report=report), cap, profile,
+    opts = options or PlannerOptions()
+    if opts.cost_model == "harmony" and not opts.harmony_space:
+        return _under_harmonys_cost_model(profile, hw, batch, opts, cap, report)
+    return fit_to_program(lambda c: _plan(profile, hw, batch, opts, memory_cap=c, report=report), cap, profile,
                           who=f"the best plan of {profile.name}")
 
 
+#: Work seconds at least left by the search of Harmony's space for the wider one to run (_under_harmonys_cost_model)
+MIN_WIDER_WORK = 0.5
+
+
+def _under_harmonys_cost_model(profile: Profile, hw: Hardware, batch: int, opts: PlannerOptions, cap: int,
+                               report) -> Plan:
+    """The full space under Harmony's cost model, never slower than Harmony's space.
+
+    The planner's model describes the default simulator, not Harmony's (tens of % apart on the same
+    plan), so it cannot steer a search beyond Harmony's space towards what Harmony's simulator plays
+    faster: given the same budget, the full-space search lost to the restricted one on synthetic
+    profiles (tests/test_planner.py). So Harmony's space is searched first, under the whole budget;
+    the decisions beyond it (u_fwd < u_bwd, other GPU counts, sizes not dividing the batch) get the
+    work seconds that search leaves, from its plan as the incumbent."""
+    say = report or (lambda s: None)
+    who = f"the best plan of {profile.name}"
+    narrow = fit_to_program(lambda c: _plan(profile, hw, batch, dataclasses.replace(opts, harmony_space=True),
+                                            memory_cap=c, report=report), cap, profile, who=who)
+    s = narrow.solver
+    left = s["work_budget_s"] - s["work_s"]
+    wall_left = None if opts.wall_limit is None else opts.wall_limit - narrow.search_time_s
+    if left < MIN_WIDER_WORK or (wall_left is not None and wall_left < MIN_WIDER_WORK):
+        say(f"Harmony's space searched with the whole budget ({s['work_s']:.2f} work s): no budget left beyond it")
+        return narrow.replace(solver={**s, "space": "harmony"})
+    say(f"Harmony's space searched in {s['work_s']:.2f} work s; beyond it with the {left:.2f} s left")
+    wider = fit_to_program(lambda c: _plan(profile, hw, batch, dataclasses.replace(opts, time_limit=left / 0.9,
+                                                                               wall_limit=wall_left),
+                                           memory_cap=c, report=report, incumbent=narrow), cap, profile, who=who)
+    best = wider if wider.simulated_iteration_time_s < narrow.simulated_iteration_time_s else narrow
+    t, harmony_t = best.simulated_iteration_time_s, s["harmony_time_s"]
+    return best.replace(search_time_s=narrow.search_time_s + wider.search_time_s,
+                        solver={**best.solver, "space": "full", "harmony_time_s": harmony_t,
+                                "speedup_over_harmony": harmony_t / t if harmony_t else None,
+                                "work_s": s["work_s"] + wider.solver["work_s"],
+                                "wall_time_s": s["wall_time_s"] + wider.solver["wall_time_s"]})
+
+
 def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | None = None, *,
-          memory_cap: int | None = None, report=None) -> Plan:
+          memory_cap: int | None = None, report=None, incumbent: Plan | None = None) -> Plan:
+    """One search; ``incumbent``: a plan to start from instead of Harmony's search's."""
     opts = options or PlannerOptions()
     validate(opts, hw, batch)
     # weights, gradients and optimizer state: the same in every plan
@@ -133,7 +175,8 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
                 {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()},
                 host_check=may_bind(profile, hw, batch))
     with pool.processes(S):
-        incumbent = harmony_hint(S) if opts.hint else None                             # 1
+        if incumbent is None:
+            incumbent = harmony_hint(S) if opts.hint else None                         # 1
         harmony_t = incumbent.simulated_iteration_time_s if incumbent is not None else None
         hint_work = S.budget.used
 

@@ -59,8 +59,11 @@ class Search:
     events: dict = dataclasses.field(default_factory=dict)    # plan decisions -> events its simulation played
 
     @property
-    def options(self) -> bool:          # per-pack options searched at all
-        return self.opts.options and not self.opts.harmony_space
+    def options(self) -> bool:
+        """Whether per-pack options (stash, GPU optimizer) are searched at all: not in Harmony's
+        space, nor under Harmony's cost model, whose simulator plays recompute with the optimizer
+        on the CPU only (a candidate using them would be refused, not judged)."""
+        return self.opts.options and not self.opts.harmony_space and self.opts.cost_model == "default"
 
     def handoff(self, cfg: Config) -> bool:
         """Whether plans of ``cfg`` may keep gradients on the GPU (Plan.gpu_handoff): one GPU runs

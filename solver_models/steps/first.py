@@ -22,11 +22,12 @@ from ..timing import evaluate, pack_starts, sequence_of_plan
 
 def harmony_hint(S: Search) -> Plan | None:
     """Harmony's search in the modes asked for, the best by the simulator (published packing
-    heuristics; all of them in Harmony's space): the incumbent and the hint."""
+    heuristics; all of them in Harmony's space or under Harmony's cost model, where the plan must
+    never lose to Harmony's own best): the incumbent and the hint."""
     best = None
     for mode in (("vPP", "vDP") if S.opts.mode == "auto" else (S.opts.mode,)):
         try:
-            packing = "all" if S.opts.harmony_space else "published"
+            packing = "all" if S.opts.harmony_space or S.opts.cost_model == "harmony" else "published"
             hp = plan_harmony(S.profile, S.hw, S.batch, S.cap, mode=mode, gpus=S.opts.gpus or S.hw.gpus,
                               packing_fwd=packing, packing_bwd=packing, cost_model=S.opts.cost_model,
                               play_many=None if S.pool is None else functools.partial(S.pool.map, pool.play))
