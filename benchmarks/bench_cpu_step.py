@@ -35,9 +35,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from harmony_opt.io import atomic_write_json, atomic_write_text  # noqa: E402
+from harmony_opt.io import atomic_write_json, atomic_write_text
 
 BLOCK = 30_700_000                     # parameters of one GPT-2 XL transformer block
 IMPLS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}

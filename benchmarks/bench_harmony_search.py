@@ -22,12 +22,11 @@ from pathlib import Path
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from harmony_opt.bundled import profiles_dir  # noqa: E402
-from harmony_opt.harmony_compat import harmony_search  # noqa: E402
-from harmony_opt.io import atomic_write_text  # noqa: E402
-from harmony_opt.profile import Profile  # noqa: E402
+from harmony_opt.bundled import profiles_dir
+from harmony_opt.harmony_compat import harmony_search
+from harmony_opt.io import atomic_write_text
+from harmony_opt.profile import Profile
 
 log = logging.getLogger("bench_harmony_search")
 

@@ -205,7 +205,6 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "simulator"))
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from harmony_opt.io import atomic_write_text
     revs = list(dict.fromkeys(args.baseline + args.expect_identical))
     labels = {r: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", r], check=True,

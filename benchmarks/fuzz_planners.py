@@ -25,12 +25,11 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from harmony_opt.fuzzing import PLANNER_NAMES, check_case, random_case  # noqa: E402
-from harmony_opt.io import atomic_write_text  # noqa: E402
+from harmony_opt.fuzzing import PLANNER_NAMES, check_case, random_case
+from harmony_opt.io import atomic_write_text
 
 
 class _Timeout(Exception):
