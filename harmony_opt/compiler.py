@@ -50,8 +50,9 @@ from collections import defaultdict
 import networkx as nx
 
 from .errors import PlanError
+from .kinds import TaskKind, Tensor
 from .plan import Plan, in_order, transfer_key
-from .program import (CHANNELS, Effects, Instr, Kind, LayerBytes, Program, Stream, Tensor, effects, plan_identity)
+from .program import CHANNELS, Effects, Instr, Kind, LayerBytes, Program, Stream, effects, plan_identity
 
 I, O, S, R, F, C, B, U, A, D = (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV, Kind.FWD, Kind.REC, Kind.BWD,
                                 Kind.UPD, Kind.ALL_REDUCE, Kind.FREE)
@@ -62,7 +63,7 @@ Rows = tuple[int, int]
 class Task:
     """A FWD or BWD task of Harmony's task graph (the UPD is lowered with its BWD)."""
 
-    kind: str                   # "F" or "B"
+    kind: TaskKind              # FWD or BWD
     order: int                  # position in the task order of its copy
     pack: tuple[int, int]
     rank: int
@@ -74,8 +75,8 @@ def build_tasks(plan: Plan) -> list[list[Task]]:
     nF, N = len(plan.packs_fwd), plan.gpus
 
     def copy(rank_of_f, rank_of_b):
-        fwd = [Task("F", i, p, rank_of_f(i)) for i, p in enumerate(plan.packs_fwd)]
-        bwd = [Task("B", nF + k, plan.packs_bwd[j], rank_of_b(k), j)
+        fwd = [Task(TaskKind.FWD, i, p, rank_of_f(i)) for i, p in enumerate(plan.packs_fwd)]
+        bwd = [Task(TaskKind.BWD, nF + k, plan.packs_bwd[j], rank_of_b(k), j)
                for k, j in enumerate(reversed(range(len(plan.packs_bwd))))]
         return fwd + bwd
 
@@ -102,8 +103,8 @@ def stash_modes(plan: Plan, tasks: list[Task]) -> tuple[tuple[bool, ...], tuple[
     same numbers, and a note says so. The loss pack always runs its forward as its
     recompute.
     """
-    fwd = [t for t in tasks if t.kind == "F"]
-    bwd_rank = {t.bwd: t.rank for t in tasks if t.kind == "B"}
+    fwd = [t for t in tasks if t.kind is TaskKind.FWD]
+    bwd_rank = {t.bwd: t.rank for t in tasks if t.kind is TaskKind.BWD}
     modes, notes = [], []
     last = len(plan.packs_bwd) - 1
     for j, (a, b) in enumerate(plan.packs_bwd):
@@ -199,8 +200,8 @@ class _Lowering:
     # -- one copy of the task list -----------------------------------------------------------------
     def run(self, tasks: list[Task], sweep: tuple[int, Rows, bool] | None = None) -> None:
         self.tasks, self.sweep = tasks, sweep
-        self.fwd = [t for t in tasks if t.kind == "F"]
-        self.bwd = {t.bwd: t for t in tasks if t.kind == "B"}
+        self.fwd = [t for t in tasks if t.kind is TaskKind.FWD]
+        self.bwd = {t.bwd: t for t in tasks if t.kind is TaskKind.BWD}
         self.nB = len(self.plan.packs_bwd)
         by_rank = defaultdict(list)
         for t in tasks:
@@ -214,7 +215,7 @@ class _Lowering:
         for t in tasks:
             if t.order not in self.prefetched:
                 self.emit(t.rank, *self.weights_in(t))
-            (self._fwd if t.kind == "F" else self._bwd)(t)
+            (self._fwd if t.kind is TaskKind.FWD else self._bwd)(t)
 
     def _prefetch_next(self, t: Task) -> None:
         nxt = self.next_on_rank[t.order]

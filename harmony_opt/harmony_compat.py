@@ -51,6 +51,7 @@ from .bundled import load_profile
 from .errors import InfeasibleError, PlanError, UsageError
 from .harmony_compat_packing import (PACKERS, PACKING_SETS, Packs, candidate_sizes, data_shares,
                                      get_packer, packing_methods, split_microbatches)
+from .kinds import Medium, TaskKind, Tensor
 from .plan import Plan
 from .profile import Profile
 from .timeline import Timeline
@@ -71,35 +72,6 @@ TIME_DEL = 0.040
 #: End time of a rank that holds no event (Harmony's "zero").
 _EMPTY_RANK_END = 1e-10
 _SIM_KEYS = ("bw_swap", "bw_p2p", "bw_msg", "time_del", "prefetch_offload")
-
-
-class TaskKind(str, Enum):
-    FWD = "FWD"
-    BWD = "BWD"   # recompute of the pack's forward, then its backward
-    UPD = "UPD"   # optimizer step on the CPU
-
-
-class Medium(str, Enum):
-    DAT = "DAT"   # data loader
-    P2P = "P2P"   # GPU <-> GPU
-    MSG = "MSG"   # CPU shared memory between processes
-    SWP = "SWP"   # local swap to CPU memory
-    SHM = "SHM"   # shared CPU model / optimizer
-    PIN = "PIN"   # stays on the GPU between two tasks
-    LOC = "LOC"   # local CPU gradient
-
-
-class Tensor(str, Enum):
-    X = "X"
-    Y = "Y"
-    DY = "dY"
-    DX = "dX"
-    W = "W"
-    B = "B"
-    DW = "dW"
-    K = "K"
-    T = "T"
-    STASH_X = "stash-X"
 
 
 class Stream(str, Enum):
@@ -225,7 +197,7 @@ def _task_ports(k, kind, a, b, base, ranks, R, fwd_of, bwd_first) -> tuple[list[
         ins.append(Port(Tensor.X, a, a, Medium.DAT) if a == 0 else Port(Tensor.X, a, a, near(k - 1), idx - 1))
         ins += [Port(Tensor.W, a, b, Medium.SHM), Port(Tensor.B, a, b, Medium.SHM)]
         outs.append(Port(Tensor.Y, b, b, near(k + 1), idx + 1))
-        outs += [Port(Tensor.STASH_X, l, l, Medium.MSG, bwd_first[l]) for l in range(a, b + 1) if l in bwd_first]
+        outs += [Port(Tensor.SX, l, l, Medium.MSG, bwd_first[l]) for l in range(a, b + 1) if l in bwd_first]
     elif kind is TaskKind.BWD:
         if b == R - 1:
             ins.append(Port(Tensor.X, a, a, Medium.DAT) if a == 0 else Port(Tensor.X, a, a, near(k - 1), idx - 1))
@@ -379,7 +351,7 @@ class _Sim:
         c = self._cuts.get(t)
         if c is None:
             nd = self.nodes[t]
-            stash = sorted(p.first for p in nd["outputs"] if p.tensor is Tensor.STASH_X)
+            stash = sorted(p.first for p in nd["outputs"] if p.tensor is Tensor.SX)
             c = ([] if nd["first"] in stash else [nd["first"]]) + stash + [nd["last"] + 1]
             self._cuts[t] = c
         return c
@@ -426,7 +398,7 @@ class _Sim:
             return self.add(t, 0, 0, Stream.SWAP_IN, EventKind.WB, None, nb / self.swap, nb, [])
         if self.pf:
             lk = self.nodes[left]
-            dep = self.compute_key(left, len(lk["ubatchszs"]) - 1, EventKind(lk["kind"].value))
+            dep = self.compute_key(left, len(lk["ubatchszs"]) - 1, EventKind(lk["kind"].harmony))
             return self.add(t, 0, 0, Stream.SWAP_IN, EventKind.WB, None, nb / self.swap, nb, [dep],
                             enqueue=not delay)
         return self.add(t, 0, 0, Stream.SWAP_IN, EventKind.WB, None, nb / self.swap, nb, [self.del_key(left)])
@@ -438,11 +410,11 @@ class _Sim:
                 return []
             n_left = len(self.nodes[left]["ubatchszs"])
             if n_left >= 2:
-                return [self.compute_key(left, n_left - 2, EventKind(self.nodes[left]["kind"].value))]
+                return [self.compute_key(left, n_left - 2, EventKind(self.nodes[left]["kind"].harmony))]
             return [self.del_key(left2)] if left2 is not None else []
         if i == 1:
             return [self.del_key(left)] if left is not None else []
-        return [self.compute_key(t, i - 2, EventKind(self.nodes[t]["kind"].value))]
+        return [self.compute_key(t, i - 2, EventKind(self.nodes[t]["kind"].harmony))]
 
     def in_x(self, t, i, left, left2, wb, wb_delayed, chain) -> int:
         """Input X of an FWD or loss-BWD task (DAT, P2P rendezvous, MSG or local swap)."""
@@ -466,7 +438,7 @@ class _Sim:
         if self.pf:
             deps += self.prefetch_dep(t, i, left, left2)
         else:
-            deps.append(chain if chain is not None else self.compute_key(t, i - 1, EventKind(nd["kind"].value)))
+            deps.append(chain if chain is not None else self.compute_key(t, i - 1, EventKind(nd["kind"].harmony)))
         e = self.add(t, i, 0, stream, EventKind.X, u, self.xfer(stream, nb), nb, deps)
         if stream is Stream.P2P_IN:
             self.peer_keys.append((e, (port.peer, i, self.last_spi(port.peer), Stream.P2P_OUT, EventKind.Y)))
@@ -478,7 +450,7 @@ class _Sim:
         nd = self.nodes[t]
         prof = self.profile
         cuts = self.cuts(t)
-        stash = {p.first: p.peer for p in nd["outputs"] if p.tensor is Tensor.STASH_X}
+        stash = {p.first: p.peer for p in nd["outputs"] if p.tensor is Tensor.SX}
         ypt = _port(nd["outputs"], Tensor.Y)
         b, last = nd["last"], len(cuts) - 2
         wb = self.in_wb(t, left, delay=not self.vpp)
@@ -753,14 +725,14 @@ def task_memory(G: nx.DiGraph, t: int, profile: Profile) -> int:
         return 0
     R = G.graph["num_layers"]
     a, b, u = nd["first"], nd["last"], nd["ubatchszs"][0]
-    phase = nd["kind"].value
+    phase = nd["kind"].harmony
     c = profile.costs(phase, u)
     x = c.input
     xin = int(x[a])
     y = int(x[b + 1]) if b != R - 1 else 0
     cmem = int(c.pack_memory(a, b))
     if nd["kind"] is TaskKind.FWD:
-        return xin + cmem + y + sum(int(x[p.first]) for p in nd["outputs"] if p.tensor is Tensor.STASH_X)
+        return xin + cmem + y + sum(int(x[p.first]) for p in nd["outputs"] if p.tensor is Tensor.SX)
     dx = xin if a != 0 else 0
     return 2 * xin + y + cmem + dx
 

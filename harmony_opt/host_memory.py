@@ -74,7 +74,8 @@ def model_host_memory(profile: Profile) -> HostMemory:
 def host_memory(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory:
     """What ``plan`` keeps in host memory: the model's share and one buffer per activation that
     leaves a GPU for host memory (the bytes of all its microbatches, on every replica), plus the data."""
-    from .taskgraph import D2H_MEDIA, Medium, Tensor, compose
+    from .kinds import Medium, Tensor
+    from .taskgraph import D2H_MEDIA, compose
 
     acts = 0
     for node in compose(plan, profile, hw):

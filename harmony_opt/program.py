@@ -38,6 +38,7 @@ from enum import Enum
 from pathlib import Path
 
 from .errors import ProgramError
+from .kinds import Tensor
 
 PROGRAM_VERSION = 1
 
@@ -57,23 +58,10 @@ class Kind(str, Enum):
     FREE = "D"          # drop a device tensor
 
 
-class Tensor(str, Enum):
-    """Tensor kinds (Harmony's, plus sA for the saved activations of a stashing pack)."""
-
-    W = "W"             # weights
-    B = "B"             # buffers
-    X = "X"             # forward activation (input of the boundary layer)
-    Y = "Y"             # a pack's output = the next layer's input X
-    DX = "dX"           # gradient leaving a backward pack
-    DY = "dY"           # gradient entering a backward pack
-    DW = "dW"           # weight gradients
-    K = "K"             # optimizer state
-    T = "T"             # targets
-    SX = "sX"           # stashed input of a backward pack
-    SA = "sA"           # saved activations (autograd graph) of a pack's microbatch
-
-
 class Stream(str, Enum):
+    """The streams of a rank the runtime runs instructions on (Harmony's simulated streams are
+    :class:`harmony_opt.harmony_compat.Stream`)."""
+
     COMPUTE = "compute"
     SWAP_IN = "swap_in"
     SWAP_OUT = "swap_out"

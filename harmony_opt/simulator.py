@@ -35,10 +35,10 @@ import numpy as np
 
 from .errors import PlanError
 from .hardware import Hardware
+from .kinds import Medium, TaskKind, Tensor
 from .plan import Plan, in_order, transfer_key
 from .profile import Profile
-from .taskgraph import (SOURCE_TENSOR, Medium, Task, TaskKind, TaskNode, Tensor, compose, placement, task_memories,
-                        task_memory)
+from .taskgraph import SOURCE_TENSOR, Task, TaskNode, compose, placement, task_memories, task_memory
 from .timeline import Timeline, memory_steps
 from .units import fmt_bytes
 

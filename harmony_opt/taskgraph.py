@@ -39,7 +39,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import re
-from enum import Enum
 from typing import NamedTuple
 
 import networkx as nx
@@ -47,45 +46,9 @@ import numpy as np
 
 from .errors import PlanError
 from .hardware import Hardware
+from .kinds import Medium, TaskKind, Tensor
 from .plan import Plan, data_shares, split_microbatches
 from .profile import Profile
-
-
-class TaskKind(str, Enum):
-    """What a task does (Harmony's FWD, BWD, UPD)."""
-
-    FWD = "F"     # forward of a pack over all its microbatches
-    BWD = "B"     # recompute (unless stashed) and backward of a pack
-    UPD = "U"     # optimizer step of a pack's weights (on the CPU, or on the GPU)
-    F = FWD
-    B = BWD
-    U = UPD
-
-
-class Tensor(str, Enum):
-    """Kinds of tensors a task reads or writes (HARMONY_REFERENCE.md 5)."""
-
-    X = "X"       # input activation of the pack's first layer
-    Y = "Y"       # output activation of the pack's last layer
-    SX = "sX"     # kept for a backward pack: its input (recompute) or its saved activations (stash)
-    DY = "dY"     # gradient of the pack's output
-    DX = "dX"     # gradient of the pack's input
-    W = "W"       # weights
-    B = "B"       # buffers
-    DW = "dW"     # weight gradients
-    K = "K"       # optimizer state
-
-
-class Medium(str, Enum):
-    """How a tensor gets from one place to another (Harmony's media)."""
-
-    DAT = "DAT"   # from the data loader in host memory: swapped in
-    SWP = "SWP"   # swapped out to host memory and back in by the same GPU
-    MSG = "MSG"   # through host memory to another process (GPU or microbatching): out, then in
-    P2P = "P2P"   # GPU to GPU over the GPU link (for dW with no peer: the all-reduce among replicas)
-    SHM = "SHM"   # the shared host copy of the model and optimizer state: swapped in/out by GPU tasks
-    LOC = "LOC"   # to this GPU's CPU process (gradients for the CPU optimizer): swapped out
-    PIN = "PIN"   # stays on the GPU
 
 
 #: Media that cross the host link when a GPU task reads (host -> GPU) or writes (GPU -> host) them.
@@ -543,7 +506,7 @@ def validate(graph: nx.DiGraph) -> dict[str, dict[int, int]]:
     backward pack's first layer and the backward packs cover every layer, each exactly once, in
     contiguous packs; every backward's update exists; every flow with a peer has a matching output
     at the peer; within a copy every edge goes forward in the order (F before B before U). Raises
-    PlanError with the schedule drawn (``format_schedule``) and the failing task marked."""
+    PlanError with the schedule drawn (``format_task_table``) and the failing task marked."""
     R = graph.graph["num_layers"]
     if not nx.is_directed_acyclic_graph(graph):
         cycle = nx.find_cycle(graph)
@@ -594,7 +557,7 @@ def validate(graph: nx.DiGraph) -> dict[str, dict[int, int]]:
     return result or {"FWD": {}, "BWD": {}}
 
 
-def format_schedule(graph: nx.DiGraph, error_task: Task | None = None) -> str:
+def format_task_table(graph: nx.DiGraph, error_task: Task | None = None) -> str:
     """The first replica's first sweep as a step x GPU grid (Harmony's order down, GPUs across); the
     step of ``error_task`` is marked ``<-- ERROR HERE``."""
     first = min(((d["replica"], -1 if t.sweep is None else t.sweep) for t, d in graph.nodes(data=True)), default=None)
@@ -616,4 +579,4 @@ def format_schedule(graph: nx.DiGraph, error_task: Task | None = None) -> str:
 
 
 def _fail(graph: nx.DiGraph, task: Task, message: str):
-    raise PlanError(f"{message}\n{format_schedule(graph, task)}")
+    raise PlanError(f"{message}\n{format_task_table(graph, task)}")

@@ -40,7 +40,8 @@ from torch.autograd.profiler import record_function
 from torch.func import functional_call
 
 from harmony_opt.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
-from harmony_opt.program import CHANNELS, Effects, Instr, Kind, Program, Stream, Tensor, effects, format_schedule
+from harmony_opt.kinds import Tensor
+from harmony_opt.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects, format_schedule
 from harmony_opt.timeline import memory_steps
 
 from .buffers import HostBuffers

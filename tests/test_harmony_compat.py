@@ -316,9 +316,9 @@ def test_vpp_task_graph_order_ranks_and_media():
     assert ins[3][Tensor.T].medium is Medium.DAT and Tensor.DY not in ins[3]
     assert ins[5][Tensor.DY] == (Tensor.DY, 6, 6, Medium.P2P, 3)
     assert outs[5][Tensor.DX] == (Tensor.DX, 4, 4, Medium.P2P, 7) and Tensor.DX not in outs[7]
-    stash = [(p.first, p.peer) for p in G.nodes[0]["outputs"] if p.tensor is Tensor.STASH_X]
+    stash = [(p.first, p.peer) for p in G.nodes[0]["outputs"] if p.tensor is Tensor.SX]
     assert stash == [(0, 7)]
-    assert [(p.first, p.peer) for p in G.nodes[1]["outputs"] if p.tensor is Tensor.STASH_X] == [(4, 5)]
+    assert [(p.first, p.peer) for p in G.nodes[1]["outputs"] if p.tensor is Tensor.SX] == [(4, 5)]
     assert ins[5][Tensor.X] == (Tensor.X, 4, 4, Medium.MSG, 1)
     assert ins[4][Tensor.DW] == (Tensor.DW, 7, 9, Medium.LOC, 3)
     # JIT pinning on GPU 0: last FWD [6, 6] and first BWD [4, 6] share layer 6

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from harmony_opt import PlanError, get_hardware
 from harmony_opt.plan import PackOptions, Plan
-from harmony_opt.taskgraph import (Task, TaskKind, Tensor, compose, format_schedule, link_bytes, placement,
+from harmony_opt.taskgraph import (Task, TaskKind, Tensor, compose, format_task_table, link_bytes, placement,
                                    rebatch_needs, stash_pieces, task_graph, validate)
 
 from conftest import synthetic_profile
@@ -230,6 +230,6 @@ def test_validate_draws_the_schedule_on_failure():
     g4.remove_edge(Task.from_str("B[4-5]@0"), Task.from_str("U[4-5]@0"))
     with pytest.raises(PlanError, match="no update"):
         validate(g4)
-    grid = format_schedule(g, Task.from_str("F[2-3]@1"))
+    grid = format_task_table(g, Task.from_str("F[2-3]@1"))
     assert grid.splitlines()[0].split() == ["step", "|", "GPU0", "|", "GPU1"]
     assert "F[2-3]" in grid.splitlines()[2] and grid.splitlines()[2].endswith("<-- ERROR HERE")
