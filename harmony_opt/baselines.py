@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from .bundled import profile_ident
 from .errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from .hardware import Hardware
 from .memory import check_layers_fit, fit_to_program, max_pack_end
@@ -34,7 +35,7 @@ _FLOOR_SLACK = 1e-7
 
 
 def _ident(profile: Profile, hw: Hardware) -> dict:
-    return {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()}
+    return {"profile": profile_ident(profile), "hardware": hw.to_dict()}
 
 
 def score(plan: Plan, profile: Profile, hw: Hardware, cost_model: str = "default") -> float:

@@ -41,3 +41,19 @@ def load_profile(spec: str | Path | Profile) -> Profile:
         return Profile.load(p)
     names = ", ".join(bundled_names()) or "none found"
     raise ProfileError(f"no profile {s!r}: not a bundled name ({names}) and not a folder")
+
+
+def profile_ident(profile: Profile) -> dict:
+    """What a plan records of the profile it was made from (``Plan.profile``): the name and content
+    hash, and, for a profile loaded from a folder that is not the bundled profile of that name, the
+    folder's absolute path, so that the commands that take the plan (simulate, check) find the profile
+    without --profile. Plans of bundled (and in-memory) profiles carry only the name and the hash, as
+    they always have."""
+    ident = {"name": profile.name, "identity": profile.identity}
+    folder = Path(profile.source)
+    if profile.source.startswith("<") or not folder.is_dir():
+        return ident
+    folder = folder.resolve()
+    if profile.name in bundled_names() and (profiles_dir() / profile.name).resolve() == folder:
+        return ident
+    return {**ident, "path": str(folder)}

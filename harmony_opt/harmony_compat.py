@@ -47,7 +47,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import networkx as nx
 import numpy as np
 
-from .bundled import load_profile
+from .bundled import load_profile, profile_ident
 from .errors import InfeasibleError, PlanError, UsageError
 from .harmony_compat_packing import (PACKERS, PACKING_SETS, Packs, candidate_sizes, data_shares,
                                      get_packer, packing_methods, split_microbatches)
@@ -995,7 +995,7 @@ def harmony_search(profile, batch: int, gpus: int, mode: str, memory_cap,
     cand_b = candidate_sizes(profile.sizes("BWD"), batch, gpus, mode, ubatchsize_step, inequal_ubatchsize)
     if not cand_f or not cand_b:
         raise InfeasibleError(_no_sizes_message(profile, batch, gpus, mode, cand_f, cand_b, inequal_ubatchsize))
-    prof_info = {"name": profile.name, "identity": profile.identity}
+    prof_info = profile_ident(profile)
 
     candidates: list[tuple] = []
     space = 0

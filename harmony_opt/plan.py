@@ -117,7 +117,7 @@ class Plan:
     transfer_order: tuple[StreamOrder, ...] | None = None   # None: Harmony's rule (see the module docstring)
     cost_model: str = "default"
     memory_cap: int | None = None
-    profile: dict = dataclasses.field(default_factory=dict)    # {"name", "identity"}
+    profile: dict = dataclasses.field(default_factory=dict)    # {"name", "identity"[, "path"]} (bundled.profile_ident)
     hardware: dict = dataclasses.field(default_factory=dict)   # Hardware.to_dict()
     simulated_iteration_time_s: float | None = None
     search_time_s: float | None = None

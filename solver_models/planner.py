@@ -39,6 +39,7 @@ import time
 import numpy as np
 
 from harmony_opt.bound import lower_bound
+from harmony_opt.bundled import profile_ident
 from harmony_opt.errors import HarmonyOptError
 from harmony_opt.hardware import Hardware
 from harmony_opt.host_memory import may_bind, model_host_memory
@@ -172,7 +173,7 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
                 # the rest: the report, and what the charges miss
                 Budget(0.9 * opts.time_limit, None if opts.wall_limit is None else 0.9 * opts.wall_limit),
                 report or (lambda s: None),
-                {"profile": {"name": profile.name, "identity": profile.identity}, "hardware": hw.to_dict()},
+                {"profile": profile_ident(profile), "hardware": hw.to_dict()},
                 host_check=may_bind(profile, hw, batch))
     with pool.processes(S):
         if incumbent is None:

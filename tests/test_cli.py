@@ -114,18 +114,64 @@ def test_a_bad_output_path_fails_before_the_search(capsys, tmp_path, monkeypatch
                               f"folder; choose another path (a file in a writable folder) or free some space\n"
 
 
-def test_plan_from_a_profile_folder_says_to_pass_the_profile(capsys, tmp_path, monkeypatch):
+def test_a_plan_from_a_profile_folder_finds_it_without_profile(capsys, tmp_path, monkeypatch):
+    """A plan made from a profile folder records the folder's absolute path: simulate and check find
+    it without --profile; a moved or changed folder is one line, exit 2, naming the folder and
+    saying to pass --profile; --profile still wins. Plans written before (no path) read as before."""
+    import shutil
     from pathlib import Path
+
     monkeypatch.chdir(tmp_path)
-    good = Path(__file__).resolve().parent / "bad_inputs/profiles/good"
-    rc, _, err = run(capsys, "baseline", "--planner", "l2l", "--profile", str(good), "--batch", "2", "--gpus", "1",
+    folder = tmp_path / "good"
+    shutil.copytree(Path(__file__).resolve().parent / "bad_inputs/profiles/good", folder)
+    rc, _, err = run(capsys, "baseline", "--planner", "l2l", "--profile", "good", "--batch", "2", "--gpus", "1",
                      "-o", "p.json")
     assert rc == 0, err
+    rc, _, err = run(capsys, "plan", "--profile", "good", "--batch", "2", "--gpus", "1", "--time-limit", "1",
+                     "--no-compare", "--quiet", "-o", "cp.json")
+    assert rc == 0, err
+    for plan in ("p.json", "cp.json"):
+        assert json.loads((tmp_path / plan).read_text())["profile"]["path"] == str(folder.resolve())
+    monkeypatch.chdir(tmp_path / "..")      # the path is absolute: found from any folder
+    for cmd in ("simulate", "check"):
+        for plan in ("p.json", "cp.json"):
+            rc, out, err = run(capsys, cmd, str(tmp_path / plan))
+            assert rc == 0 and err == "", (cmd, plan, err)
+    monkeypatch.chdir(tmp_path)
+    # the folder moved: one line naming it; --profile with its new place still works
+    folder.rename(tmp_path / "moved")
+    # (a plan written before plans recorded the folder: the name only, read as before)
+    old = json.loads(Path("p.json").read_text())
+    del old["profile"]["path"]
+    Path("old.json").write_text(json.dumps(old))
+    rc, _, err = run(capsys, "simulate", "old.json")
+    assert rc == 2 and "the plan's profile 'good' is not a bundled profile or a folder here; pass --profile" in err
     for cmd in ("simulate", "check"):
         rc, _, err = run(capsys, cmd, "p.json")
-        assert rc == 2 and "the plan's profile 'good' is not a bundled profile or a folder here; pass --profile" in err
-        rc, out, err = run(capsys, cmd, "p.json", "--profile", str(good))
+        assert rc == 2 and err == (f"harmony-opt: error: p.json: the plan's profile folder {folder.resolve()} no "
+                                   f"longer exists; pass --profile with the profile folder the plan was made "
+                                   f"from\n"), err
+        rc, _, err = run(capsys, cmd, "p.json", "--profile", str(tmp_path / "moved"))
         assert rc == 0, err
+    # the folder is back but its profile changed: one line naming it
+    shutil.copytree(tmp_path / "moved", folder)
+    micro = folder / "microbatch.csv"
+    lines = micro.read_text().splitlines()
+    cells = lines[1].split(",")
+    cells[3] = repr(float(cells[3]) * 2)    # gpu_time_s of the first row
+    micro.write_text("\n".join([lines[0], ",".join(cells), *lines[2:]]) + "\n")
+    assert lines[0].split(",")[3] == "gpu_time_s"
+    rc, _, err = run(capsys, "simulate", "p.json")
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"p.json: the profile in {folder.resolve()} has changed since the plan was made" in err
+    assert "pass --profile" in err
+    rc, _, err = run(capsys, "simulate", "p.json", "--profile", str(tmp_path / "moved"))
+    assert rc == 0, err
+    # plans of bundled profiles carry the name and hash only (their files stay byte for byte as before),
+    # whether the profile is named or its folder given
+    from harmony_opt.bundled import load_profile, profile_ident, profiles_dir
+    for spec in ("gpt2_medium", str(profiles_dir() / "gpt2_medium")):
+        assert list(profile_ident(load_profile(spec))) == ["name", "identity"]
 
 
 def test_plan_says_when_the_wall_limit_decided(capsys):

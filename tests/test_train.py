@@ -270,6 +270,26 @@ def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path, capsys):
     assert "--resume needs --checkpoint" in capsys.readouterr().err
 
 
+def test_cli_run_and_compile_take_the_set_overrides_that_profile_took(tmp_path, capsys):
+    """`profile gpt2-tiny --set n_layer=1` measures a 5-layer cut; run and compile build the same cut
+    with the same --set (parsed as profile parses it), and refuse an unknown field in one line."""
+    five = write_plan(tmp_path / "five.json", num_layers=5, packs={"fwd": [[0, 2]], "bwd": [[0, 2], [3, 4]]})
+    assert main(["run", five, "--model", "gpt2-tiny", "--set", "n_layer=1", "--steps", "1", "--no-progress"]) == 0
+    assert "gpt2-tiny: steps 0..0" in capsys.readouterr().out
+    assert main(["compile", five, "-o", str(tmp_path / "prog.json"), "--model", "gpt2-tiny", "--set", "n_layer=1",
+                 "--set", "n_embd=32"]) == 0
+    assert "rank 0:" in capsys.readouterr().out
+    for argv, fragment in [
+        (["run", five, "--model", "gpt2-tiny", "--no-progress"], "the plan has 5 layers but model 'gpt2-tiny' has 8"),
+        (["run", five, "--model", "gpt2-tiny", "--set", "n_layr=1"], "model gpt2-tiny: unknown option(s) n_layr"),
+        (["run", five, "--model", "gpt2-tiny", "--set", "n_layer"], "--set 'n_layer': write KEY=VALUE"),
+        (["compile", five, "-o", str(tmp_path / "x.json"), "--set", "n_layer=1"], "give it with --model"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and fragment in err, (argv, err)
+
+
 def test_trace_times_every_instruction_of_the_last_step():
     res = train(mlp(), make_plan(), steps=2, progress=False, trace=True)
     tl = res.timeline()

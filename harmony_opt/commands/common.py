@@ -4,17 +4,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import OutputError, ProfileError, UsageError
+from ..errors import OutputError, PlanError, ProfileError, UsageError
 from ..io import check_writable
 
 
 def plan_profile(plan, plan_path, override: str | None):
     """The profile a plan is checked or simulated with: ``override`` (a --profile argument), else the
-    bundled profile the plan names. A plan made from a profile folder names only the model, so
-    say to pass --profile when the name is not a bundled profile."""
+    profile folder the plan records (``profile.path``, written for a plan made from a folder that is
+    not a bundled profile; refused, in one line, when the folder is gone or its profile has changed
+    since), else the bundled profile the plan names. A plan written before plans recorded the folder
+    names only the model, so say to pass --profile when the name is not a bundled profile."""
     from ..bundled import bundled_names, load_profile
     if override:
         return load_profile(override)
+    recorded = plan.profile.get("path")
+    if recorded is not None:
+        return _recorded_profile(plan, plan_path, recorded)
     name = plan.profile.get("name")
     if not name:
         raise UsageError(f"{plan_path}: the plan names no profile; pass --profile NAME|DIR")
@@ -25,6 +30,30 @@ def plan_profile(plan, plan_path, override: str | None):
             raise
         raise ProfileError(f"{plan_path}: the plan's profile {name!r} is not a bundled profile or a folder here; "
                            f"pass --profile with the profile folder it was made from") from None
+
+
+def _recorded_profile(plan, plan_path, recorded):
+    """The profile in the folder a plan records, if it is still the one the plan was made from."""
+    from ..profile import Profile
+    if not isinstance(recorded, str) or not recorded:
+        raise PlanError(f"{plan_path}: field profile.path must be a folder's path, got {recorded!r}; "
+                        f"pass --profile with the profile folder the plan was made from")
+    folder = Path(recorded)
+    if not folder.is_dir():
+        raise ProfileError(f"{plan_path}: the plan's profile folder {folder} no longer exists; pass --profile "
+                           f"with the profile folder the plan was made from")
+    try:
+        profile = Profile.load(folder)
+    except ProfileError as e:
+        why = " ".join(str(e).split())
+        raise ProfileError(f"{plan_path}: the plan's profile folder {folder} cannot be read ({why}); pass "
+                           f"--profile with the profile folder the plan was made from") from None
+    made = plan.profile.get("identity")
+    if made and profile.identity != made:
+        raise ProfileError(f"{plan_path}: the profile in {folder} has changed since the plan was made (identity "
+                           f"{profile.identity}, the plan's {made}); pass --profile with the profile the plan was "
+                           f"made from, or re-plan")
+    return profile
 
 
 def writable_folder(path: str, what: str | None = None) -> Path:

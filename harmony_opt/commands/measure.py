@@ -28,8 +28,7 @@ def register(sub):
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before them (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the input batches")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field of the model's spec, e.g. --set n_layer=2 --set sequence_length=512")
+    add_overrides(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_profile)
 
@@ -92,6 +91,14 @@ def parse_microbatches(text: str) -> list[int]:
                              f"1 <= A <= B, STEP >= 1)")
         sizes.update(range(lo, hi + 1, step))
     return sorted(sizes)
+
+
+def add_overrides(p, also: str = "") -> None:
+    """The ``--set KEY=VALUE`` option (repeatable) of every command that builds a built-in model; read
+    it with :func:`parse_overrides`."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the model's spec, e.g. --set n_layer=2 --set sequence_length=512"
+                        + also)
 
 
 def parse_overrides(items: list[str]) -> dict:

@@ -7,6 +7,7 @@ from ..errors import PlanError, UsageError
 from ..plan import Plan
 from ..units import fmt_bytes, parse_bytes
 from .common import writable_file
+from .measure import add_overrides, parse_overrides
 
 
 def register(sub):
@@ -16,12 +17,14 @@ def register(sub):
     c.add_argument("--model", default=None,
                    help="measure the model's tensor sizes so that the program carries bytes and the memory cap "
                         "is checked")
+    add_overrides(c, " (with --model; the same as the profile the plan was made from took)")
     c.add_argument("--memory-cap", default=None, help="bytes per GPU to check against (default: the plan's)")
     c.set_defaults(func=_compile)
 
     r = sub.add_parser("run", help="train a model with the plan's schedule (real tensors, CPU or GPUs)")
     r.add_argument("plan", help="plan JSON")
     r.add_argument("--model", required=True, help="built-in model name (e.g. gpt2-tiny)")
+    add_overrides(r, " (the same as the profile the plan was made from took)")
     r.add_argument("--program", default=None, metavar="FILE",
                    help="run this compiled program (from `harmony-opt compile`) instead of compiling the plan; "
                         "it must come from the same plan and, when it carries sizes, the same model")
@@ -44,15 +47,20 @@ def register(sub):
     r.set_defaults(func=_run)
 
 
-def _model(name: str):
-    from ..models import build_model
-    return build_model(name)
+def _model(name: str, items: list[str]):
+    """The built-in model ``name`` with the ``--set`` overrides ``items`` (as `profile --set` reads them)."""
+    from ..models import build_model, model_spec
+    overrides = parse_overrides(items)
+    model_spec(name, **overrides)   # name and options checked before anything is created
+    return build_model(name, **overrides)
 
 
 def _compile(args):
     from ..compiler import compile_plan
     from ..program import validate_program
 
+    if args.overrides and not args.model:
+        raise UsageError("--set changes a built-in model's spec: give it with --model")
     plan = Plan.load(args.plan)
     sizes = None
     if args.model:
@@ -62,7 +70,7 @@ def _compile(args):
 
         from ..training import check_plan
 
-        model = _model(args.model)
+        model = _model(args.model, args.overrides)
         try:
             check_plan(model, plan)
         except PlanError as e:
@@ -95,7 +103,7 @@ def _run(args):
     for option, path, example in (("--trace", args.trace, "trace.json"), ("--plot", args.plot, "gantt.png")):
         if path:                # a bad output path fails now, not after the training
             writable_file(path, option, example)
-    model = _model(args.model)
+    model = _model(args.model, args.overrides)
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else None
     res = train(model, plan, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
                 checkpoint_dir=Path(args.checkpoint) if args.checkpoint else None,
