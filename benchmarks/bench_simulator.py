@@ -84,7 +84,10 @@ def random_cases(k: int, seed: int) -> list[dict]:
     from harmony_opt import PlanError, get_hardware
     from harmony_opt.bundled import load_profile
     from harmony_opt.plan import PackOptions, Plan
-    from harmony_opt.simulator import _Expansion, tasks_of
+    import harmony_opt.simulator as simulator
+    from harmony_opt.simulator import tasks_of
+    # a revision before the expansion was public names it _Expansion
+    expansion = getattr(simulator, "Expansion", None) or getattr(simulator, "_Expansion")
     rng = random.Random(seed)
     out = []
     while len(out) < k:
@@ -118,7 +121,7 @@ def random_cases(k: int, seed: int) -> list[dict]:
             plan = Plan("random", mode, n, batch, uf, ub, fwd, bwd, R, options=tuple(opts), allow_uneven=True,
                         prefetch=rng.random() < 0.7, input_batch_grouping=grouping)
             plan.check_against(prof, hw)
-            need = max(_Expansion.task_memory(plan, prof, t) for t in tasks_of(plan) if t.kind != "U")
+            need = max(expansion.task_memory(plan, prof, t) for t in tasks_of(plan) if t.kind != "U")
         except PlanError:
             continue
         cap = int(need * rng.choice([1.0, 1.3, 2.0, 100.0]))

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
     # import every module a planner or the check uses before the workers fork, so that all examples run the
     # same code even when someone edits the tree during a soak of an hour
-    import harmony_opt.baselines, harmony_opt.harmony_compat, harmony_opt.simulator  # noqa: E401,F401
+    import harmony_opt.baselines, harmony_opt.harmony, harmony_opt.simulator  # noqa: E401,F401
     if "cp-sat" in planners:
         import solver_models.planner  # noqa: F401
     code = _code_state()

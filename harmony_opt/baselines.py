@@ -1,7 +1,7 @@
 """Baseline planners; each returns a Plan scored by the same simulator as ours.
 
 * ``harmony``: Harmony's own search (every valid (u_fwd, u_bwd) pair x its packing
-  heuristics, harmony_compat.py), judged by the chosen cost model's simulator;
+  heuristics, harmony_opt/harmony/), judged by the chosen cost model's simulator;
 * ``naive-swap``: per-microbatch swapping as single-GPU memory virtualization does
   (vDNN, LMS): every microbatch sweeps every layer, weights come in every time, no
   input-batch grouping; each GPU trains on its data share (vDP);
@@ -47,7 +47,7 @@ def played(plan: Plan, profile: Profile, hw: Hardware, cost_model: str = "defaul
     """(``score``, the events its simulation played: the work it took; 0 where the plan was rejected)."""
     try:
         if cost_model == "harmony":
-            from .harmony_compat import simulate_harmony
+            from .harmony import simulate_harmony
             tl = simulate_harmony(plan, profile, with_timeline=False)
         else:
             from .simulator import simulate
@@ -277,7 +277,7 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
     """Harmony's search; under the default cost model its candidates are judged by our simulator.
     ``play_many(plans)``: ``played`` of each plan (default: one after the other here), e.g. in other
     processes: the same plan, sooner."""
-    from .harmony_compat import harmony_search
+    from .harmony import harmony_search
     n = _gpus(hw, gpus)
     events = [0]
 

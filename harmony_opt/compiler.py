@@ -475,7 +475,7 @@ def add_waits(drafts: list[Instr], num_layers: int) -> tuple[Instr, ...]:
 
 def instruction_key(x: Instr) -> str | None:
     """The name of a swap-in or swap-out in ``Plan.transfer_order``, as the simulator names the same
-    transfer (``simulator._Expansion.key``); None for what a plan's order does not name (weights,
+    transfer (``simulator.Expansion.key``); None for what a plan's order does not name (weights,
     buffers, optimizer state, targets, the host parking of re-batched activations)."""
     if x.kind is I and x.tensor in (Tensor.X, Tensor.SX, Tensor.DY, Tensor.SA):
         tensor = Tensor.SX if x.tensor is Tensor.SA else x.tensor       # a stashing pack's saved activations

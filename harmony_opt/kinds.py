@@ -1,7 +1,7 @@
 """The one vocabulary of tasks, tensors and media.
 
 The task graph (:mod:`harmony_opt.taskgraph`), the re-implementation of Harmony's
-scheduler (:mod:`harmony_opt.harmony_compat`) and the compiled program
+scheduler (:mod:`harmony_opt.harmony`) and the compiled program
 (:mod:`harmony_opt.program`, :mod:`harmony_opt.compiler`) name the same things: a
 forward, backward or update task, the weights or the stashed input it moves, the medium
 it moves by. They share these enums, so a tensor or a medium is one value everywhere.

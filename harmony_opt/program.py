@@ -60,7 +60,7 @@ class Kind(str, Enum):
 
 class Stream(str, Enum):
     """The streams of a rank the runtime runs instructions on (Harmony's simulated streams are
-    :class:`harmony_opt.harmony_compat.Stream`)."""
+    :class:`harmony_opt.harmony.Stream`)."""
 
     COMPUTE = "compute"
     SWAP_IN = "swap_in"

@@ -168,7 +168,7 @@ def table1_row(model: str, cap: int, time_limit: float, batch: int = TABLE1_BATC
     from solver_models.planner import PlannerOptions, plan
 
     from .baselines import plan_harmony
-    from .harmony_compat import harmony_search
+    from .harmony import harmony_search
     profile = load_profile(model)
     hw = get_hardware(HARDWARE, memory_cap=cap)
     t0 = time.perf_counter()

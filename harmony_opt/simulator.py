@@ -10,7 +10,7 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
 * each stream runs its events in order (FIFO), an event starts when its
   dependencies are done; the order is Harmony's rule unless the plan carries its own for the
   ``swap_in``, ``swap_out`` and ``free`` streams (``Plan.transfer_order``, named by
-  :meth:`_Expansion.key`);
+  :meth:`Expansion.key`);
 * host->GPU and GPU->host transfers of all GPUs behind a shared switch share the link:
   at most ``hardware.link_slots`` transfers per direction run at once;
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
@@ -81,14 +81,14 @@ def simulate(plan: Plan, profile: Profile, hardware: Hardware, *, memory_cap: in
     plan.check_against(profile, hardware)
     cap = int(memory_cap or plan.memory_cap or hardware.gpu_memory_bytes)
     check_memory(plan, profile, cap)
-    sim = _Expansion(plan, profile, hardware, cap, plan.prefetch if prefetch is None else prefetch)
+    sim = Expansion(plan, profile, hardware, cap, plan.prefetch if prefetch is None else prefetch)
     sim.build()
     return sim.run(with_timeline)
 
 
 def count_events(plan: Plan, profile: Profile, hardware: Hardware) -> int:
     """The events ``simulate`` plays for ``plan``, from its expansion alone (about half the work)."""
-    sim = _Expansion(plan, profile, hardware, int(plan.memory_cap or hardware.gpu_memory_bytes), plan.prefetch)
+    sim = Expansion(plan, profile, hardware, int(plan.memory_cap or hardware.gpu_memory_bytes), plan.prefetch)
     sim.build()
     return len(sim.events)
 
@@ -122,7 +122,7 @@ def _gc_paused():
             gc.enable()
 
 
-class _Expansion:
+class Expansion:
     """Builds the events of one iteration from the task graph and runs them (one object per simulation)."""
 
     def __init__(self, plan: Plan, profile: Profile, hw: Hardware, cap: int, prefetch: bool,

@@ -44,7 +44,7 @@ from ortools.sat.python import cp_model
 from harmony_opt.hardware import Hardware
 from harmony_opt.plan import ORDERED_STREAMS, Plan, StreamOrder
 from harmony_opt.profile import Profile
-from harmony_opt.simulator import _Expansion, check_memory
+from harmony_opt.simulator import Expansion, check_memory
 
 from . import cpsat
 
@@ -132,7 +132,7 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     plan.check_against(profile, hw)
     cap = int(plan.memory_cap or hw.gpu_memory_bytes)
     check_memory(plan, profile, cap)
-    sim = _Expansion(plan, profile, hw, cap, plan.prefetch)
+    sim = Expansion(plan, profile, hw, cap, plan.prefetch)
     sim.build()
     queues = {k: list(v) for k, v in sim.streams.items()}     # run() consumes nothing it needs
     sim.run(with_timeline=False)                              # the hint: the simulator's schedule
@@ -222,7 +222,7 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
                           order_bound, *_schedule_order(sim, starts, ORDERS[order]))
 
 
-def _schedule_order(sim: _Expansion, starts: list[float], free: tuple[str, ...]) -> tuple[tuple | None, int]:
+def _schedule_order(sim: Expansion, starts: list[float], free: tuple[str, ...]) -> tuple[tuple | None, int]:
     """(the order of a schedule in the streams a plan carries, as Plan.transfer_order, for those whose
     order is free and not Harmony's rule, or None; the transfers of the free ones in another place
     than the rule's). The rule runs a stream's events in the order the simulator made them, ``sim``'s

@@ -37,7 +37,7 @@ def test_order_bound_holds_for_every_order_of_the_transfers():
     proves an optimum below the rule order's, by running transfers in another order; the plan's
     order bound is below that optimum, and the schedule keeps each stream to one transfer at a
     time and every dependency."""
-    from harmony_opt.simulator import _Expansion
+    from harmony_opt.simulator import Expansion
     from solver_models.event_schedule import TRANSFER_STREAMS, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
     p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
@@ -45,7 +45,7 @@ def test_order_bound_holds_for_every_order_of_the_transfers():
     free = solve_timeline(p, prof, hw, time_limit=10, order="free", hint=fixed.starts)
     assert fixed.status == free.status == "OPTIMAL"
     assert fixed.order_bound_s <= free.makespan_s < fixed.makespan_s - 1e-4
-    sim = _Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
+    sim = Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
     sim.build()
     ev, at = sim.events, free.starts
     ends = [s + e.duration for s, e in zip(at, ev)]
@@ -64,7 +64,7 @@ def test_a_plan_carries_the_order_of_the_swaps_the_timeline_model_chose():
     rule's order on four vDP replicas sharing one link; the plan carrying its order
     (``TimelineResult.order``) has that schedule as its own: the fixed-order model of the ordered plan
     reaches it (within the stop gap), below the rule order's optimum, and simulates it."""
-    from harmony_opt.simulator import _Expansion
+    from harmony_opt.simulator import Expansion
     from solver_models.event_schedule import _schedule_order, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
     p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
@@ -77,7 +77,7 @@ def test_a_plan_carries_the_order_of_the_swaps_the_timeline_model_chose():
     own = solve_timeline(ordered, prof, hw, time_limit=10, rel_gap=0)
     assert own.status == "OPTIMAL" and own.makespan_s == pytest.approx(chosen.makespan_s, abs=1e-6)
     assert simulate(ordered, prof, hw).iteration_time > 0
-    sim = _Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
+    sim = Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
     sim.build()
     assert _schedule_order(sim, rule.starts, ORDERED_STREAMS)[0] is None    # the rule's own schedule: no order
 
@@ -177,12 +177,12 @@ def test_timeline_bound_counts_the_transfers_queueing_on_the_shared_link():
     side, queue on it. The link's one-machine bound lifts the timeline bound above the longest chain
     and the busiest stream, and stays below the optimum CP-SAT proves."""
     import math
-    from harmony_opt.simulator import _Expansion
+    from harmony_opt.simulator import Expansion
     from solver_models.event_schedule import SCALE, _floor_ticks, link_resources, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=1), get_hardware("1080ti-x4").with_gpus(4)
     bwd = [(0, 1), (2, 3), (4, 5)]
     p = Plan("t", "vDP", 4, 16, 2, 2, bwd[:-1], bwd, 6)
-    sim = _Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
+    sim = Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
     sim.build()
     queues = {k: list(v) for k, v in sim.streams.items()}
     sim.run(with_timeline=False)
@@ -199,13 +199,13 @@ def test_timeline_bound_counts_the_transfers_queueing_on_the_shared_link():
 def test_timeline_model_reserves_the_memory_the_simulator_does(handoff):
     """Replayed at the simulated times, the timeline model's memory reservations are the
     simulator's memory curve, gradients kept on the GPU included."""
-    from harmony_opt.simulator import _Expansion
+    from harmony_opt.simulator import Expansion
     from harmony_opt.timeline import memory_steps
     from solver_models.event_schedule import reservations
     prof, hw = synthetic_profile(R=6), get_hardware("1080ti-x4").with_gpus(2)
     bwd = [(0, 1), (2, 3), (4, 5)]
     p = Plan("t", "vDP", 2, 8, 2, 4, bwd[:-1], bwd, 6, gpu_handoff=handoff)
-    sim = _Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
+    sim = Expansion(p, prof, hw, hw.gpu_memory_bytes, True)
     sim.build()
     tl = sim.run(with_timeline=True)
     ev = sim.events

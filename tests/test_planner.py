@@ -92,7 +92,7 @@ def test_local_search_takes_a_known_improving_move():
 def test_harmony_search_under_our_simulator_reports_the_events_it_played():
     """plan_harmony's ``events_simulated``: what our simulator played judging every distinct
     candidate (what the planner charges to its budget for the hint)."""
-    from harmony_opt.harmony_compat import harmony_search
+    from harmony_opt.harmony import harmony_search
     prof, hw, cap = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
     hp = plan_harmony(prof, hw, 32, cap, mode="vDP", gpus=2)
     res = harmony_search(prof, 32, 2, "vDP", cap, topk=-1, rank_fit_normally=True, score=lambda p: 0.0)
@@ -317,7 +317,7 @@ def test_polish_ends_at_a_local_optimum_of_the_simulator_without_simulating_a_pl
 def test_the_judge_charges_the_events_its_simulator_played(cost_model):
     """The budget counts a simulated plan by the events played (Harmony's simulator plays 4-8x
     more than one per task), so the search's share of the time limit is what it spent."""
-    from harmony_opt.harmony_compat import simulate_harmony
+    from harmony_opt.harmony import simulate_harmony
     from solver_models import budget, state
     prof, hw = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2)
     hp = plan_harmony(prof, hw, 16, hw.gpu_memory_bytes, mode="vPP", gpus=2, cost_model=cost_model)

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from harmony_opt import PlanError, get_hardware, load_profile
 from harmony_opt.plan import ORDERED_STREAMS, PackOptions, Plan, data_shares
-from harmony_opt.simulator import _Expansion, check_memory, count_events, simulate, tasks_of
+from harmony_opt.simulator import Expansion, check_memory, count_events, simulate, tasks_of
 from harmony_opt.taskgraph import SOURCE_TENSOR, Medium, TaskKind, Tensor, link_bytes, task_graph
 
 from conftest import synthetic_profile
@@ -61,7 +61,7 @@ def expand(plan, prof, hw, cap):
     """The simulator's events (with their task graph nodes) and its timeline."""
     plan.check_against(prof, hw)
     check_memory(plan, prof, cap)
-    sim = _Expansion(plan, prof, hw, cap, plan.prefetch)
+    sim = Expansion(plan, prof, hw, cap, plan.prefetch)
     sim.build()
     return sim, sim.run(with_timeline=True)
 
@@ -219,7 +219,7 @@ def test_the_shared_link_serves_transfers_first_come_first_served(case):
 @given(plans(), st.floats(0.3, 1.0))
 def test_memory_cap_is_never_exceeded(case, frac):
     prof, plan, hw = case
-    need = max(_Expansion.task_memory(plan, prof, t) for t in tasks_of(plan) if t.kind != "U")
+    need = max(Expansion.task_memory(plan, prof, t) for t in tasks_of(plan) if t.kind != "U")
     cap = int(need / frac)   # every task fits; prefetch only when there is room
     graph = task_graph(plan, prof, hw)
     sim, tl = expand(plan, prof, hw, cap)
@@ -307,7 +307,7 @@ def test_trace_and_plot(tmp_path):
 @settings(max_examples=60, deadline=None)
 @given(plans())
 def test_a_plan_carrying_the_rules_own_order_plays_the_same(case):
-    """Plan.transfer_order names each transfer of the ordered streams once (simulator._Expansion.key),
+    """Plan.transfer_order names each transfer of the ordered streams once (simulator.Expansion.key),
     and an order equal to Harmony's rule changes nothing."""
     prof, plan, hw = case
     cap = 2**40
@@ -345,6 +345,6 @@ def test_the_simulator_plays_the_plans_transfer_order():
     backwards = tuple(reversed([rule.key(k) for k in rule.streams[(0, "swap_out")]]))   # dW before the outputs
     with pytest.raises(PlanError, match="deadlocked: .* its transfer_order runs a transfer before what it needs"):
         simulate(p.replace(transfer_order=[(0, "swap_out", backwards)]), prof, HW)
-    from harmony_opt.harmony_compat import simulate_harmony
+    from harmony_opt.harmony import simulate_harmony
     with pytest.raises(PlanError, match="Harmony's simulator swaps in Harmony's order only"):
         simulate_harmony(q, prof)

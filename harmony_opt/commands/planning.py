@@ -277,7 +277,7 @@ def _simulate(args):
         raise UsageError(f"{args.plan}: the plan names no hardware; pass --hardware")
     try:
         if plan.cost_model == "harmony":
-            from ..harmony_compat import simulate_harmony
+            from ..harmony import simulate_harmony
             tl = simulate_harmony(plan, profile)
         else:
             tl = simulate(plan, profile, hw)

@@ -1,76 +1,42 @@
-"""Harmony's original scheduler, re-implemented to the letter (the ``harmony`` cost model).
-
-Harmony (VLDB 2022) searches microbatch sizes and layer packs by enumerating a few packing
-heuristics and scoring each candidate with an event-driven simulator; its Top-1 estimate
-is ``global_endtime``. This module reproduces that search and simulator exactly as
-HARMONY_REFERENCE.md sections 1-6 describe them, so the project can compare against
-Harmony's own choices and estimates. It follows the reference and does not deviate: the
-same candidate sizes, packers (:mod:`harmony_opt.harmony_compat_packing`), enumeration order
-and Top-K rule, task graph (order, placement, media and the two vPP patches), event
-expansion with and without ``prefetch_offload``, durations, rendezvous, re-batching,
-deadlock handling and per-task memory estimate. Its known weaknesses (bandwidth divided by
-the number of busy GPUs, prefetch off while scoring, a reported memory that is not what
-the packers check, a fixed 40 ms per deletion) are kept on purpose; the project's default
-cost model does not share them. Flags not offered: ``--reverse_bwd`` (deprecated),
-``--memory_cap_scale`` (pass the scaled cap), ``--no_offload_optim`` (the simulator
-requires offload) and the debug flags. Where the original would crash (no size to search,
-a re-batching mismatch) this module raises InfeasibleError or PlanError instead.
-
-Usage::
-
-    profile = load_profile("bert_96")
-    res = harmony_search(profile, batch=32, gpus=2, mode="vPP", memory_cap=10 * 2**30,
-                         rank_fit_normally=True)             # res.best.time: 17.873845 s
-    plan = res.best_plan()
-    timeline = simulate_harmony(plan, profile)        # timeline.iteration_time == plan's time
-
-Pieces, in pipeline order: :func:`candidate_sizes` and the ``PACKERS`` (search space),
-:func:`compose_task_graph` (a networkx DiGraph of FWD/BWD/UPD tasks whose nodes carry their
-rank and the medium of every input and output), :func:`expand_events` (the graph as
-events on per-rank FIFO streams), :func:`run_events` (begin/end times, or a deadlock) and
-:func:`task_memory` (the reported per-task memory).
-
-Implementation notes: numbers are exact where Harmony's are integers (memory, bytes); pack
-times are prefix-sum differences, which differ from Harmony's sequential sums only in the
-last bits. Identical candidates (same sizes and packs from different methods) are
-simulated once, and the dependency graph is resolved in topological order, which gives the
-same times as Harmony's round-robin dispatcher (the reference shows that the order does
-not matter).
-"""
+"""Harmony's event simulator (HARMONY_REFERENCE.md 5): the task graph as events on per-rank FIFO
+streams, their durations and rendezvous, begin and end times (or a deadlock), and the per-task
+memory it reports; ``simulate_harmony`` plays a Plan with it."""
 from __future__ import annotations
 
-import dataclasses
-import time
 from enum import Enum
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import networkx as nx
-import numpy as np
 
-from .bundled import load_profile, profile_ident
-from .errors import InfeasibleError, PlanError, UsageError
-from .harmony_compat_packing import (PACKERS, PACKING_SETS, Packs, candidate_sizes, data_shares,
-                                     get_packer, packing_methods, split_microbatches)
-from .kinds import Medium, TaskKind, Tensor
-from .plan import Plan
-from .profile import Profile
-from .timeline import Timeline
+from ..bundled import load_profile
+from ..errors import PlanError, UsageError
+from ..kinds import Medium, TaskKind, Tensor
+from ..plan import Plan
+from ..profile import Profile
+from ..timeline import Timeline
+from .graph import _port, compose_task_graph, rebatch
 
-__all__ = [
-    "PACKERS", "PACKING_SETS", "get_packer", "packing_methods", "candidate_sizes",
-    "TaskKind", "Medium", "Tensor", "Stream", "EventKind", "Port", "Rebatch", "rebatch",
-    "compose_task_graph", "expand_events", "merge_rendezvous", "run_events", "task_memory", "simulate_harmony",
-    "HarmonyCandidate", "HarmonySearchResult", "harmony_search",
-]
 
 GiB = 2**30
+
+
 #: The original scheduler's defaults (sched_args.py): host<->GPU swap, GPU<->GPU, CPU message, DEL.
 BW_SWAP = 11.5 * GiB
+
+
 BW_P2P = 8.2 * GiB
+
+
 BW_MSG = 128 / 8 * GiB
+
+
 TIME_DEL = 0.040
+
+
 #: End time of a rank that holds no event (Harmony's "zero").
 _EMPTY_RANK_END = 1e-10
+
+
 _SIM_KEYS = ("bw_swap", "bw_p2p", "bw_msg", "time_del", "prefetch_offload")
 
 
@@ -100,209 +66,6 @@ class EventKind(str, Enum):
     DWB = "dWB"
     UPDATE = "Update"
 
-
-class Port(NamedTuple):
-    """One input or output of a task: a tensor of layers first..last on a medium.
-
-    ``peer`` is the index of the task on the other end (None for DAT and SHM).
-    LOC ports name the BWD task that produced the gradient (or the UPD that consumes it).
-    """
-
-    tensor: Tensor
-    first: int
-    last: int
-    medium: Medium
-    peer: int | None = None
-
-
-# =====================================================================================
-# Task graph (section 5)
-# =====================================================================================
-
-def compose_task_graph(mode: str, gpus: int, batch: int, num_layers: int, u_fwd: int, packs_fwd: Packs,
-                       u_bwd: int, packs_bwd: Packs) -> nx.DiGraph:
-    """Harmony's task graph for one candidate.
-
-    Nodes are task indices with attributes ``kind`` (TaskKind), ``first``, ``last``,
-    ``rank``, ``device`` ("GPU:n" / "CPU:n"), ``copy`` (vDP GPU copy), ``ubatchszs``,
-    ``has_data``, ``has_criterion``, ``is_last_fwd``, ``inputs`` and ``outputs`` (tuples of
-    :class:`Port`). An edge src -> dst exists for every input of dst that src provides;
-    its ``ports`` attribute lists those inputs. ``G.graph`` holds the configuration,
-    the per-copy microbatch lists and ``last_fwd_msg``.
-    """
-    R = num_layers
-    vpp = mode == "vPP"
-    shares = [batch] if vpp else data_shares(batch, gpus)
-    fwd = tuple(tuple(p) for p in packs_fwd)
-    bwd = tuple(tuple(p) for p in packs_bwd)
-    last_fwd_msg = vpp and gpus > 1 and u_fwd != u_bwd and bool(fwd)
-    G = nx.DiGraph(mode=mode, gpus=gpus, batch=batch, num_layers=R, u_fwd=u_fwd, u_bwd=u_bwd,
-                   packs_fwd=fwd, packs_bwd=bwd, last_fwd_msg=last_fwd_msg,
-                   ubatchszs_fwd=[split_microbatches(s, u_fwd) for s in shares],
-                   ubatchszs_bwd=[split_microbatches(s, u_bwd) for s in shares])
-    # Order: FWD packs ascending, then from the last BWD pack down, each BWD with its UPD (jit update).
-    order = [(TaskKind.FWD, p) for p in fwd]
-    for p in reversed(bwd):
-        order += [(TaskKind.BWD, p), (TaskKind.UPD, p)]
-    nF, per_copy = len(fwd), len(order)
-    for n, share in enumerate(shares):
-        base = n * per_copy
-        ranks = [_rank(k, kind, nF, gpus) if vpp else n for k, (kind, _) in enumerate(order)]
-        ub = {TaskKind.FWD: tuple(split_microbatches(share, u_fwd)),
-              TaskKind.BWD: tuple(split_microbatches(share, u_bwd)), TaskKind.UPD: ()}
-        fwd_of = {l: base + k for k, (kind, (a, b)) in enumerate(order) if kind is TaskKind.FWD
-                  for l in range(a, b + 1)}
-        bwd_first = {a: base + k for k, (kind, (a, _)) in enumerate(order) if kind is TaskKind.BWD}
-        tasks = [_task_ports(k, kind, a, b, base, ranks, R, fwd_of, bwd_first)
-                 for k, (kind, (a, b)) in enumerate(order)]
-        if vpp:
-            _pin_jit_weights(tasks, order, ranks, base, gpus)
-            if last_fwd_msg:
-                _last_fwd_to_msg(tasks, nF)
-        for k, (kind, (a, b)) in enumerate(order):
-            ins, outs = tasks[k]
-            G.add_node(base + k, kind=kind, first=a, last=b, rank=ranks[k], copy=n,
-                       device=f"{'CPU' if kind is TaskKind.UPD else 'GPU'}:{ranks[k]}",
-                       ubatchszs=ub[kind], has_data=a == 0, has_criterion=b == R - 1,
-                       is_last_fwd=kind is TaskKind.FWD and k == nF - 1,
-                       inputs=tuple(ins), outputs=tuple(outs))
-        for k in range(per_copy):
-            for port in tasks[k][0]:
-                if port.peer is not None:
-                    if not G.has_edge(port.peer, base + k):
-                        G.add_edge(port.peer, base + k, ports=[])
-                    G.edges[port.peer, base + k]["ports"].append(port)
-    return G
-
-
-def _rank(k: int, kind: TaskKind, nF: int, gpus: int) -> int:
-    """vPP round-robin: FWD i on i mod N; the k-th BWD (and its UPD) on (nF + k) mod N."""
-    if kind is TaskKind.FWD:
-        return k % gpus
-    if kind is TaskKind.BWD:
-        return (nF + (k - nF) // 2) % gpus
-    return (nF + (k - 1 - nF) // 2) % gpus
-
-
-def _task_ports(k, kind, a, b, base, ranks, R, fwd_of, bwd_first) -> tuple[list[Port], list[Port]]:
-    """Inputs and outputs of task k (5.3): P2P to a task on another rank, else a local swap."""
-    idx = base + k
-
-    def near(j):
-        return Medium.P2P if ranks[j] != ranks[k] else Medium.SWP
-
-    ins: list[Port] = []
-    outs: list[Port] = []
-    if kind is TaskKind.FWD:
-        ins.append(Port(Tensor.X, a, a, Medium.DAT) if a == 0 else Port(Tensor.X, a, a, near(k - 1), idx - 1))
-        ins += [Port(Tensor.W, a, b, Medium.SHM), Port(Tensor.B, a, b, Medium.SHM)]
-        outs.append(Port(Tensor.Y, b, b, near(k + 1), idx + 1))
-        outs += [Port(Tensor.SX, l, l, Medium.MSG, bwd_first[l]) for l in range(a, b + 1) if l in bwd_first]
-    elif kind is TaskKind.BWD:
-        if b == R - 1:
-            ins.append(Port(Tensor.X, a, a, Medium.DAT) if a == 0 else Port(Tensor.X, a, a, near(k - 1), idx - 1))
-            ins.append(Port(Tensor.T, R - 1, R - 1, Medium.DAT))
-        else:
-            ins.append(Port(Tensor.DY, b, b, near(k - 2), idx - 2))
-            ins.append(Port(Tensor.X, a, a, Medium.MSG, fwd_of[a]))
-        ins += [Port(Tensor.W, a, b, Medium.SHM), Port(Tensor.B, a, b, Medium.SHM)]
-        if a != 0:
-            outs.append(Port(Tensor.DX, a, a, near(k + 2), idx + 2))
-        outs += [Port(Tensor.DW, a, b, Medium.LOC, idx + 1), Port(Tensor.B, a, b, Medium.SHM)]
-    else:
-        ins += [Port(Tensor.DW, a, b, Medium.LOC, idx - 1), Port(Tensor.W, a, b, Medium.SHM),
-                Port(Tensor.K, a, b, Medium.SHM)]
-        outs += [Port(Tensor.W, a, b, Medium.SHM), Port(Tensor.K, a, b, Medium.SHM)]
-    return ins, outs
-
-
-def _pin_jit_weights(tasks, order, ranks, base, gpus) -> None:
-    """vPP patch 1: on each GPU, W and B of layers shared by its last FWD and first BWD stay pinned.
-
-    It changes media only; the simulator's estimate does not depend on it.
-    """
-    for g in range(gpus):
-        f = [k for k, (kind, _) in enumerate(order) if kind is TaskKind.FWD and ranks[k] == g]
-        w = [k for k, (kind, _) in enumerate(order) if kind is TaskKind.BWD and ranks[k] == g]
-        if not f or not w:
-            continue
-        kf, kb = f[-1], w[0]
-        (fa, fb), (ba, bb) = order[kf][1], order[kb][1]
-        lo, hi = max(fa, ba), min(fb, bb)
-        if lo > hi:
-            continue
-        ins_f, outs_f = tasks[kf]
-        ins_b, _ = tasks[kb]
-        for t in (Tensor.W, Tensor.B):
-            outs_f.append(Port(t, lo, hi, Medium.PIN, base + kb))
-            i = next(j for j, p in enumerate(ins_b) if p.tensor is t)
-            pieces = ([Port(t, ba, lo - 1, Medium.SHM)] if lo > ba else []) + \
-                [Port(t, lo, hi, Medium.PIN, base + kf)] + \
-                ([Port(t, hi + 1, bb, Medium.SHM)] if hi < bb else [])
-            ins_b[i:i + 1] = pieces
-
-
-def _last_fwd_to_msg(tasks, nF) -> None:
-    """vPP patch 2: P2P cannot re-batch, so the last FWD's Y goes to the loss BWD through MSG."""
-    outs = tasks[nF - 1][1]
-    ins = tasks[nF][0]
-    for lst, t in ((outs, Tensor.Y), (ins, Tensor.X)):
-        i = next(j for j, p in enumerate(lst) if p.tensor is t)
-        if lst[i].medium is Medium.P2P:
-            lst[i] = lst[i]._replace(medium=Medium.MSG)
-
-
-def _port(ports: Iterable[Port], tensor: Tensor) -> Port | None:
-    return next((p for p in ports if p.tensor is tensor), None)
-
-
-# =====================================================================================
-# Re-batching converter (6.3)
-# =====================================================================================
-
-class Rebatch(NamedTuple):
-    """How FWD microbatches become BWD microbatches when u_fwd != u_bwd.
-
-    ``targets[i]``: the (BWD index, BWD size) that FWD microbatch i completes;
-    ``producer[j]``: the FWD microbatch that completes BWD microbatch j.
-    """
-
-    targets: tuple[tuple[tuple[int, int], ...], ...]
-    producer: tuple[int, ...]
-
-
-def rebatch(fwd_sizes: Sequence[int], bwd_sizes: Sequence[int], u_bwd: int) -> Rebatch:
-    """Walk the FWD microbatches with a carried residual and cut them into BWD microbatches."""
-    if sum(fwd_sizes) != sum(bwd_sizes):
-        raise PlanError(f"re-batching needs equal totals, got FWD {sum(fwd_sizes)} and BWD {sum(bwd_sizes)}")
-    targets, producer = [], []
-    r = 0
-    for i, u in enumerate(fwd_sizes):
-        c = r + u
-        chunks = split_microbatches(c, u_bwd) if c >= u_bwd else [c]
-        r = 0
-        done = []
-        for j, chunk in enumerate(chunks):
-            if len(producer) >= len(bwd_sizes):
-                raise PlanError(f"re-batching FWD {list(fwd_sizes)} into BWD {list(bwd_sizes)} overruns")
-            want = bwd_sizes[len(producer)]
-            if chunk == want:
-                done.append((len(producer), chunk))
-                producer.append(i)
-            elif chunk < want and j == len(chunks) - 1:
-                r = chunk
-            else:
-                raise PlanError(f"re-batching FWD {list(fwd_sizes)} into BWD {list(bwd_sizes)}: chunk {chunk} "
-                                f"does not match BWD microbatch {len(producer)} of size {want}")
-        targets.append(tuple(done))
-    if len(producer) != len(bwd_sizes):
-        raise PlanError(f"re-batching FWD {list(fwd_sizes)} leaves BWD microbatches unfilled")
-    return Rebatch(tuple(targets), tuple(producer))
-
-
-# =====================================================================================
-# Events (6.2 - 6.4)
-# =====================================================================================
 
 class Events(NamedTuple):
     """Expanded events as parallel lists (index = event id) plus FIFO queues and rendezvous pairs."""
@@ -711,10 +474,6 @@ def run_events(dur: Sequence[float], deps: Sequence[Sequence[int]], queues: Iter
     return begin if done == n else None
 
 
-# =====================================================================================
-# Memory estimate (6.6) and one simulation
-# =====================================================================================
-
 def task_memory(G: nx.DiGraph, t: int, profile: Profile) -> int:
     """Harmony's reported memory of task t at its first microbatch (W and B not included).
 
@@ -856,247 +615,3 @@ def _timeline_tables(G: nx.DiGraph, res: SimResult):
         times = sorted({x for a, b, _ in tasks for x in (a, b)} | {0.0})
         mem += [(r, tm, max((m for a, b, m in tasks if a <= tm < b), default=0)) for tm in times]
     return records, mem
-
-
-# =====================================================================================
-# Search (section 4)
-# =====================================================================================
-
-class HarmonyCandidate(NamedTuple):
-    """One configuration of Harmony's search and its score."""
-
-    u_fwd: int
-    packs_fwd: Packs
-    u_bwd: int
-    packs_bwd: Packs
-    method_fwd: str        # "" when the whole model is one BWD pack
-    method_bwd: str
-    time: float            # simulated (or scored) iteration time; inf on a deadlock
-    key: float             # ranking key: time, / 1000 for a one-pack fit unless rank_fit_normally
-    memory: int | None     # Harmony's reported memory estimate (None when a custom score is used)
-
-
-@dataclasses.dataclass(frozen=True)
-class HarmonySearchResult:
-    """Ranked Top-K candidates of Harmony's search, with what is needed to build a Plan.
-
-    ``search_space`` is the size of the grid the enumeration walks: every (u_bwd, BWD
-    method, u_fwd >= u_bwd (any u_fwd with smaller_ufwd), FWD method), valid or not;
-    ``configs_evaluated`` counts the valid candidates scored (Harmony's "points").
-    """
-
-    candidates: list[HarmonyCandidate]
-    configs_evaluated: int
-    search_space: int
-    search_time_s: float
-    profile: dict
-    num_layers: int
-    batch: int
-    gpus: int
-    mode: str
-    memory_cap: int
-    methods: dict
-    settings: dict
-    events_simulated: int = 0         # by Harmony's simulator (0 when ``score`` judged the candidates)
-
-    @property
-    def best(self) -> HarmonyCandidate:
-        return self.candidates[0]
-
-    def best_plan(self, rank: int = 0) -> Plan:
-        """The ``rank``-th ranked candidate (0 = Top-1) as a Plan of planner "harmony".
-
-        ``prefetch`` keeps the Plan default (True, what Harmony's runtime does); the settings
-        the candidate was scored with (prefetch_offload off by default) are in ``stats``.
-        """
-        if not 0 <= rank < len(self.candidates):
-            raise UsageError(f"rank {rank} is out of range; the search kept {len(self.candidates)} candidate(s)")
-        c = self.candidates[rank]
-        plan = _candidate_plan(c.u_fwd, c.packs_fwd, c.u_bwd, c.packs_bwd, self.batch, self.gpus, self.mode,
-                               self.num_layers, self.memory_cap, self.profile)
-        return plan.replace(
-            simulated_iteration_time_s=c.time, search_time_s=self.search_time_s,
-            stats={"configs_evaluated": self.configs_evaluated, "search_space": self.search_space,
-                   "method_fwd": c.method_fwd, "method_bwd": c.method_bwd, "rank": rank, "key": c.key,
-                   "memory_estimate_bytes": c.memory, "packing_methods": self.methods,
-                   "events_simulated": self.events_simulated, **self.settings})
-
-
-def _candidate_plan(u_fwd, packs_fwd, u_bwd, packs_bwd, batch, gpus, mode, num_layers, memory_cap,
-                    profile_info) -> Plan:
-    shares = [batch] if mode == "vPP" else data_shares(batch, gpus)
-    uneven = any(s % u for s in shares for u in (u_fwd, u_bwd))
-    return Plan(planner="harmony", mode=mode, gpus=gpus, batch=batch, microbatch_fwd=u_fwd,
-                microbatch_bwd=u_bwd, packs_fwd=packs_fwd, packs_bwd=packs_bwd, num_layers=num_layers,
-                allow_uneven=uneven, cost_model="harmony", memory_cap=memory_cap, profile=profile_info)
-
-
-class _Top:
-    """Harmony's Top-K: append until K held, then replace the first worst only if strictly better."""
-
-    def __init__(self, k: int, dedup: bool):
-        self.k = k if k > 0 else float("inf")
-        self.dedup = dedup
-        self.ids: list = []
-        self.items: list[HarmonyCandidate] = []
-        self.cnt = 0
-
-    def add(self, c: HarmonyCandidate) -> None:
-        ident = (c.u_fwd, c.packs_fwd, c.u_bwd, c.packs_bwd) if self.dedup else self.cnt
-        if self.cnt < self.k:
-            if ident not in self.ids:
-                self.ids.append(ident)
-                self.items.append(c)
-                self.cnt += 1
-            return
-        keys = [x.key for x in self.items]
-        worst = keys.index(max(keys))
-        if c.key < keys[worst] and ident not in self.ids:
-            del self.ids[worst], self.items[worst]
-            self.ids.append(ident)
-            self.items.append(c)
-            self.cnt += 1
-
-    def ranked(self) -> list[HarmonyCandidate]:
-        order = np.argsort([x.key for x in self.items])
-        return [self.items[i] for i in order]
-
-
-def _layer_lists(profile: Profile, phase: str, u: int, n: int):
-    """m = M - X, x = X, t of the first n layers at u (1.4)."""
-    c = profile.costs(phase, u)
-    x = c.input[:n]
-    return c.memory[:n] - x, x, c.time[:n]
-
-
-def harmony_search(profile, batch: int, gpus: int, mode: str, memory_cap,
-                   packing_fwd=PACKING_SETS["published"][0], packing_bwd=PACKING_SETS["published"][1],
-                   topk: int = 1, rank_fit_normally: bool = False, dedup: bool = False, ubatchsize_step: int = 1,
-                   inequal_ubatchsize: bool = False, smaller_ufwd: bool = False,
-                   score: Callable[[Plan], float] | None = None,
-                   score_many: Callable[[list[Plan]], list[float]] | None = None, **sim_kwargs) -> HarmonySearchResult:
-    """Harmony's search (section 4): enumerate sizes x packers, score each, keep the Top-K.
-
-    ``packing_fwd``/``packing_bwd``: method names, a comma list or a set name ("published",
-    "defaults"/"all"). ``memory_cap`` in bytes (Harmony's cap times its scale). ``topk=-1``
-    keeps every candidate. ``score(plan) -> seconds`` replaces Harmony's simulator (the
-    ranking rule stays Harmony's); ``score_many(plans) -> seconds each``, all distinct candidates at
-    once (e.g. in other processes). ``sim_kwargs``: bw_swap, bw_p2p, bw_msg, time_del,
-    prefetch_offload. Raises InfeasibleError when no candidate is valid.
-    """
-    t0 = time.perf_counter()
-    profile = load_profile(profile)
-    sim = _sim_settings(sim_kwargs)
-    mode = _check_args(batch, gpus, mode, memory_cap, topk, ubatchsize_step)
-    cap = float(memory_cap)
-    m_fwd, m_bwd = packing_methods(packing_fwd, "FWD"), packing_methods(packing_bwd, "BWD")
-    R = profile.num_layers
-    cand_f = candidate_sizes(profile.sizes("FWD"), batch, gpus, mode, ubatchsize_step, inequal_ubatchsize)
-    cand_b = candidate_sizes(profile.sizes("BWD"), batch, gpus, mode, ubatchsize_step, inequal_ubatchsize)
-    if not cand_f or not cand_b:
-        raise InfeasibleError(_no_sizes_message(profile, batch, gpus, mode, cand_f, cand_b, inequal_ubatchsize))
-    prof_info = profile_ident(profile)
-
-    candidates: list[tuple] = []
-    space = 0
-    fwd_cache: dict[tuple, Packs | None] = {}
-    for u_bwd in cand_b:
-        mb, xb, tb = _layer_lists(profile, "BWD", u_bwd, R)
-        ufs = cand_f if smaller_ufwd else cand_f[int(np.searchsorted(cand_f, u_bwd, side="left")):]
-        space += len(m_bwd) * len(ufs) * len(m_fwd)
-        for mth_b in m_bwd:
-            pb = get_packer(mth_b)(mb, xb, tb, cap)
-            if pb is None:
-                continue
-            if len(pb) == 1:
-                candidates.append((u_bwd, (), u_bwd, pb, "", mth_b))
-                continue
-            lf = pb[-2][1] + 1
-            for u_fwd in ufs:
-                mf, xf, tf = _layer_lists(profile, "FWD", u_fwd, lf)
-                for mth_f in m_fwd:
-                    if mth_f == "reuse":
-                        pf = get_packer(mth_f)(mf, xf, tf, cap, pb[:-1])
-                    else:
-                        ck = (u_fwd, lf, mth_f)
-                        if ck not in fwd_cache:
-                            fwd_cache[ck] = get_packer(mth_f)(mf, xf, tf, cap)
-                        pf = fwd_cache[ck]
-                    if pf is not None:
-                        candidates.append((u_fwd, pf, u_bwd, pb, mth_f, mth_b))
-    if not candidates:
-        raise InfeasibleError(**_infeasible(profile, cand_f, cand_b, cap, m_fwd, m_bwd))
-
-    top = _Top(topk, dedup)
-    memo: dict[tuple, tuple[float, int | None]] = {}
-    events = 0
-    if score is not None or score_many is not None:
-        plans = {k: _candidate_plan(*k, batch, gpus, mode, R, int(memory_cap), prof_info)
-                 for k in dict.fromkeys(c[:4] for c in candidates)}      # each distinct one, in order
-        times = score_many(list(plans.values())) if score_many is not None else map(score, plans.values())
-        memo = {k: (float(t), None) for k, t in zip(plans, times)}
-    for u_fwd, pf, u_bwd, pb, mth_f, mth_b in candidates:
-        ident = (u_fwd, pf, u_bwd, pb)
-        if ident not in memo:
-            G = compose_task_graph(mode, gpus, batch, R, u_fwd, pf, u_bwd, pb)
-            res = _simulate(G, profile, sim, keep_events=False)
-            memo[ident] = (res.global_endtime, max(res.per_rank_memory))
-            events += res.n_events
-        t, mem = memo[ident]
-        key = t / 1000.0 if (len(pb) == 1 and not rank_fit_normally) else t
-        top.add(HarmonyCandidate(u_fwd, pf, u_bwd, pb, mth_f, mth_b, t, key, mem))
-    settings = {**sim, "topk": topk, "rank_fit_normally": rank_fit_normally, "dedup": dedup,
-                "ubatchsize_step": ubatchsize_step, "inequal_ubatchsize": inequal_ubatchsize,
-                "smaller_ufwd": smaller_ufwd,
-                "scored_by": "harmony" if score is None and score_many is None else "custom"}
-    return HarmonySearchResult(top.ranked(), len(candidates), space, time.perf_counter() - t0, prof_info, R,
-                               batch, gpus, mode, int(memory_cap), {"fwd": list(m_fwd), "bwd": list(m_bwd)},
-                               settings, events)
-
-
-def _check_args(batch, gpus, mode, memory_cap, topk, step) -> str:
-    modes = {"vpp": "vPP", "vdp": "vDP"}
-    if str(mode).lower() not in modes:
-        raise UsageError(f"mode {mode!r} is not vPP or vDP")
-    for name, v in (("batch", batch), ("gpus", gpus), ("ubatchsize_step", step)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise UsageError(f"{name} must be a whole number >= 1, got {v!r}")
-    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk == 0 or topk < -1:
-        raise UsageError(f"topk must be >= 1, or -1 to keep every candidate; got {topk!r}")
-    if not isinstance(memory_cap, (int, float, np.integer, np.floating)) or not memory_cap > 0:
-        raise UsageError(f"memory_cap must be a positive number of bytes, got {memory_cap!r}")
-    mode = modes[str(mode).lower()]
-    if mode == "vDP" and batch < gpus:
-        raise InfeasibleError(f"vDP needs at least one sample per GPU: batch {batch} < {gpus} GPUs; "
-                              f"use vPP, fewer GPUs or a larger batch")
-    return mode
-
-
-def _no_sizes_message(profile, batch, gpus, mode, cand_f, cand_b, inequal) -> str:
-    dcap = batch if mode == "vPP" else batch // gpus
-    phase = "FWD" if not cand_f else "BWD"
-    lo, hi = profile.size_range(phase)
-    rule = "" if inequal else " that divide every GPU's share of the batch (inequal_ubatchsize allows others)"
-    return (f"no {phase} microbatch size to search: {profile.name} is profiled for {phase} sizes {lo}..{hi}, "
-            f"and sizes up to {dcap} samples per {'GPU' if mode == 'vDP' else 'iteration'}{rule} are allowed")
-
-
-def _infeasible(profile, cand_f, cand_b, cap, m_fwd, m_bwd) -> dict:
-    """Explain an empty search at the smallest BWD size: the layer that cannot fit, or the methods."""
-    u = cand_b[0]
-    need = profile.costs("BWD", u).memory
-    layer = int(np.argmax(need))
-    worst = int(need[layer])
-    if worst >= cap:
-        msg = (f"{profile.name}: layer {layer} needs {worst} bytes ({worst / GiB:.2f} GiB) for its backward at "
-               f"microbatch {u}, the smallest searched size, but the memory cap is {int(cap)} bytes "
-               f"({cap / GiB:.2f} GiB); no packing fits")
-        return dict(message=msg, layer=layer, microbatch=u, needed_bytes=worst, cap_bytes=int(cap))
-    uf = next((f for f in cand_f if f >= u), cand_f[-1])
-    needf = profile.costs("FWD", uf).memory
-    lf = int(np.argmax(needf))
-    msg = (f"{profile.name}: Harmony's packing methods (FWD {', '.join(m_fwd)}; BWD {', '.join(m_bwd)}) found no "
-           f"valid packs under the cap of {int(cap)} bytes ({cap / GiB:.2f} GiB) at any microbatch size, although "
-           f"the largest layer alone fits (layer {layer}: {worst} bytes for BWD at microbatch {u}; layer {lf}: "
-           f"{int(needf[lf])} bytes for FWD at {uf}); add greedy_reverse_addx, which packs whenever every layer fits")
-    return dict(message=msg, layer=layer, microbatch=u, needed_bytes=worst, cap_bytes=int(cap))

@@ -12,12 +12,13 @@ import pytest
 
 from harmony_opt.bundled import load_profile
 from harmony_opt.errors import InfeasibleError, UsageError
-from harmony_opt.harmony_compat import (EventKind, HarmonyCandidate, Medium, Stream, TaskKind, Tensor, _Top,
-                                        compose_task_graph, expand_events, harmony_search, merge_rendezvous,
-                                        rebatch, run_events, simulate_harmony, task_memory)
-from harmony_opt.harmony_compat_packing import (PACKERS, balanced, balanced_addx, balanced_split, balanced_time,
-                                                candidate_sizes, get_packer, greedy, greedy_addx, greedy_reverse,
-                                                greedy_reverse_addx, packing_methods, reuse)
+from harmony_opt.harmony import (EventKind, HarmonyCandidate, Medium, Stream, TaskKind, Tensor, compose_task_graph,
+                                 expand_events, harmony_search, merge_rendezvous, rebatch, run_events,
+                                 simulate_harmony, task_memory)
+from harmony_opt.harmony.packing import (PACKERS, balanced, balanced_addx, balanced_split, balanced_time,
+                                         candidate_sizes, get_packer, greedy, greedy_addx, greedy_reverse,
+                                         greedy_reverse_addx, packing_methods, reuse)
+from harmony_opt.harmony.search import _Top
 
 CAP10 = 10 * 2**30
 

@@ -1,6 +1,6 @@
 """Harmony's layer-packing heuristics and candidate microbatch sizes, to the letter.
 
-Part of the Harmony-compatible mode (:mod:`harmony_opt.harmony_compat`); semantics are
+Part of the Harmony-compatible mode (:mod:`harmony_opt.harmony`); semantics are
 HARMONY_REFERENCE.md sections 2 and 3. Every packer is a pure function over per-layer
 numpy arrays (section 1.4):
 
@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 Pack = tuple[int, int]
 Packs = tuple[Pack, ...]
