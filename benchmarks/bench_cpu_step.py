@@ -36,7 +36,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from harmony_opt.io import atomic_write_json, atomic_write_text
+from harmony_opt.core.io import atomic_write_json, atomic_write_text
 
 BLOCK = 30_700_000                     # parameters of one GPT-2 XL transformer block
 IMPLS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from harmony_opt.bundled import load_profile
-from harmony_opt.hardware import get_hardware
-from harmony_opt.io import write_results
+from harmony_opt.core.bundled import load_profile
+from harmony_opt.core.hardware import get_hardware
+from harmony_opt.core.io import write_results
 from harmony_opt.reproduce import machine_description, markdown_table
 from solver_models.planner import PlannerOptions, plan
 

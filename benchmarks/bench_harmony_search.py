@@ -23,10 +23,10 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from harmony_opt.bundled import profiles_dir
+from harmony_opt.core.bundled import profiles_dir
 from harmony_opt.harmony import harmony_search
-from harmony_opt.io import atomic_write_text
-from harmony_opt.profile import Profile
+from harmony_opt.core.io import atomic_write_text
+from harmony_opt.core.profile import Profile
 
 log = logging.getLogger("bench_harmony_search")
 

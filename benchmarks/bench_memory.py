@@ -9,7 +9,7 @@ sizes, validates the program under the cap and trains ``--steps`` steps under th
 * ``result``: ``ok`` (trained), ``infeasible`` (the planner refused the request with the figures)
   or ``refused`` (a returned plan the compiler or the executor refused: the failure this guards);
 * ``predicted_peak``: the program's peak live device bytes from the profile's sizes
-  (harmony_opt.memory.program_memory), ``measured_peak``: the executor's memory guard's peak of
+  (harmony_opt.compile.program_memory.program_memory), ``measured_peak``: the executor's memory guard's peak of
   live device bytes over the run, ``ratio`` = predicted / measured;
 * ``task_peak``: the simulator's peak of its task memory (Harmony's pack memory, workspace included).
 
@@ -26,14 +26,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harmony_opt.baselines import get_planner
-from harmony_opt.errors import HarmonyOptError, InfeasibleError
-from harmony_opt.hardware import Hardware
-from harmony_opt.io import atomic_write_text
-from harmony_opt.memory import program_memory
-from harmony_opt.models import build_model
-from harmony_opt.profiler import profile_model
-from harmony_opt.simulator import simulate
+from harmony_opt.planners.baselines import get_planner
+from harmony_opt.core.errors import HarmonyOptError, InfeasibleError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.core.io import atomic_write_text
+from harmony_opt.compile.program_memory import program_memory
+from harmony_opt.measure.models import build_model
+from harmony_opt.measure.profiler import profile_model
+from harmony_opt.sim.simulator import simulate
 from harmony_opt.training import train
 from solver_models.planner import PlannerOptions, plan as cp_plan
 

@@ -6,7 +6,7 @@ both modes (10 GiB). For each case:
 
 * ``harmony``: Harmony's search at the case's mode and GPU count with its published
   packing heuristics, scored by the default simulator; like every planner's, its plans are held
-  to what runs under the cap (harmony_opt.memory.fit_to_program);
+  to what runs under the cap (harmony_opt.compile.program_memory.fit_to_program);
 * ``ours``: the CP-SAT planner with the full decision space on the case's hardware (up to
   the case's GPUs; mode, GPU count, microbatch sizes, packs and per-pack options chosen);
 * ``ours_harmony_space``: the CP-SAT planner restricted to Harmony's space (the case's
@@ -37,15 +37,15 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from harmony_opt.baselines import get_planner
-from harmony_opt.bundled import load_profile
-from harmony_opt.hardware import get_hardware
-from harmony_opt.io import write_results
+from harmony_opt.planners.baselines import get_planner
+from harmony_opt.core.bundled import load_profile
+from harmony_opt.core.hardware import get_hardware
+from harmony_opt.core.io import write_results
 from harmony_opt.reproduce import machine_description, markdown_table
-from harmony_opt.simulator import simulate
+from harmony_opt.sim.simulator import simulate
 from solver_models.planner import PlannerOptions, plan
 
-#: Harmony's search, its plans held to what runs (harmony_opt.memory.fit_to_program), as ours are
+#: Harmony's search, its plans held to what runs (harmony_opt.compile.program_memory.fit_to_program), as ours are
 harmony = get_planner("harmony")
 
 GiB = 2**30

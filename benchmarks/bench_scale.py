@@ -2,7 +2,7 @@
 
 Cases: ``gpt2_100b`` (GPT-2, n_embd 4096, 500 blocks: 504 layers, 101B parameters) and
 ``gpt2_1200l`` (1196 blocks of n_embd 2048, 16 heads: 1200 layers), both built by
-harmony_opt.synthetic from gpt2_xl's measured profile; minibatch 64, vPP, 4 GPUs of the
+harmony_opt.measure.synthetic from gpt2_xl's measured profile; minibatch 64, vPP, 4 GPUs of the
 paper's server (1080ti-x4, 10 GiB cap), the CP-SAT planner with ``--time-limit``.
 
 Each case runs in a fresh child process, so its peak resident memory (``ru_maxrss`` from
@@ -41,15 +41,15 @@ SLACK_S = 5.0
 
 
 def shapes():
-    from harmony_opt.synthetic import GPT2_SCALING, GPT2Shape
+    from harmony_opt.measure.synthetic import GPT2_SCALING, GPT2Shape
     return {"gpt2_100b": GPT2_SCALING["gpt2_100b"], "gpt2_1200l": GPT2Shape(n_layer=1196, n_embd=2048, n_head=16)}
 
 
 def child(name: str, time_limit: float) -> dict:
     """Plan one case in this process and report what the parent needs (one JSON line)."""
     from harmony_opt.reproduce import scaling_hardware
-    from harmony_opt.simulator import simulate
-    from harmony_opt.synthetic import gpt2_profile
+    from harmony_opt.sim.simulator import simulate
+    from harmony_opt.measure.synthetic import gpt2_profile
     from solver_models.planner import PlannerOptions, plan
     shape = shapes()[name]
     t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def main() -> int:
         print(json.dumps(child(args.child, limits[0])))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from harmony_opt.io import atomic_write_text
+    from harmony_opt.core.io import atomic_write_text
     from harmony_opt.reproduce import machine_description, markdown_table
     rows = []
     for limit in limits:
@@ -118,7 +118,7 @@ def main() -> int:
     df = pd.DataFrame(rows)
     out = ROOT / "benchmarks" / "results"
     atomic_write_text(out / "scale.csv", df.to_csv(index=False))
-    note = (f"\nThe CP-SAT planner on synthetic GPT-2 profiles (harmony_opt.synthetic), D = {BATCH}, {MODE}, "
+    note = (f"\nThe CP-SAT planner on synthetic GPT-2 profiles (harmony_opt.measure.synthetic), D = {BATCH}, {MODE}, "
             f"{GPUS} GPUs, 1080ti-x4 (10 GiB cap) with 2 TiB of host memory, time limits {args.time_limit} s. search_s: wall time of "
             f"`plan()` (Harmony's search for the warm start included); pass = valid plan, search_s <= limit x "
             f"{1 + SLACK:g} + {SLACK_S:g} s, peak RSS of the planner process < 4 GB.\n\n"

@@ -51,8 +51,8 @@ def cap_of(name: str) -> int:
 # -- cases (current tree) ------------------------------------------------------------------------
 def harmony_cases() -> list[dict]:
     from harmony_opt import get_hardware
-    from harmony_opt.baselines import plan_harmony
-    from harmony_opt.bundled import load_profile
+    from harmony_opt.planners.baselines import plan_harmony
+    from harmony_opt.core.bundled import load_profile
     out = []
     for name, mode, n, d in HARMONY_CASES:
         cap = cap_of(name)
@@ -67,8 +67,8 @@ def naive_case() -> dict:
     """A large plan of another shape: naive swapping (one layer per pack, every microbatch sweeps the
     model) of vgg416, D = 64, vDP on 4 GPUs, microbatch 16: 25 000 events."""
     from harmony_opt import get_hardware
-    from harmony_opt.bundled import load_profile
-    from harmony_opt.plan import Plan
+    from harmony_opt.core.bundled import load_profile
+    from harmony_opt.core.plan import Plan
     R = load_profile("vgg416").num_layers
     bwd = [(l, l) for l in range(R)]
     hw = get_hardware("1080ti-x4", memory_cap=10 * GiB)
@@ -82,10 +82,10 @@ def random_cases(k: int, seed: int) -> list[dict]:
     import dataclasses
 
     from harmony_opt import PlanError, get_hardware
-    from harmony_opt.bundled import load_profile
-    from harmony_opt.plan import PackOptions, Plan
-    import harmony_opt.simulator as simulator
-    from harmony_opt.simulator import tasks_of
+    from harmony_opt.core.bundled import load_profile
+    from harmony_opt.core.plan import PackOptions, Plan
+    import harmony_opt.sim.simulator as simulator
+    from harmony_opt.sim.simulator import tasks_of
     # a revision before the expansion was public names it _Expansion
     expansion = getattr(simulator, "Expansion", None) or getattr(simulator, "_Expansion")
     rng = random.Random(seed)
@@ -133,10 +133,10 @@ def random_cases(k: int, seed: int) -> list[dict]:
 # -- worker (runs in the tree under test) ----------------------------------------------------------
 def worker(cases_path: str, out_path: str, repeat: int) -> None:
     from harmony_opt import Hardware
-    from harmony_opt.bundled import load_profile
-    from harmony_opt.io import atomic_write_bytes
-    from harmony_opt.plan import Plan
-    from harmony_opt.simulator import simulate
+    from harmony_opt.core.bundled import load_profile
+    from harmony_opt.core.io import atomic_write_bytes
+    from harmony_opt.core.plan import Plan
+    from harmony_opt.sim.simulator import simulate
     cases = json.loads(Path(cases_path).read_text())
     results, times = [], []
     for c in cases:
@@ -208,7 +208,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("-o", "--output", default=str(ROOT / "benchmarks" / "results" / "simulator"))
     args = ap.parse_args()
-    from harmony_opt.io import atomic_write_text
+    from harmony_opt.core.io import atomic_write_text
     revs = list(dict.fromkeys(args.baseline + args.expect_identical))
     labels = {r: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", r], check=True,
                                 capture_output=True, text=True).stdout.strip() for r in revs}

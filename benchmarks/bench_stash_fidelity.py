@@ -29,13 +29,13 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from harmony_opt.bundled import load_profile
-from harmony_opt.errors import PlanError
-from harmony_opt.hardware import get_hardware
-from harmony_opt.io import atomic_write_text
-from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
+from harmony_opt.core.bundled import load_profile
+from harmony_opt.core.errors import PlanError
+from harmony_opt.core.hardware import get_hardware
+from harmony_opt.core.io import atomic_write_text
+from harmony_opt.core.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.reproduce import machine_description, markdown_table
-from harmony_opt.simulator import simulate
+from harmony_opt.sim.simulator import simulate
 from solver_models import dp, search
 from solver_models.bounds import config_bound
 from solver_models.options import PlannerOptions, configurations

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from harmony_opt.fuzzing import PLANNER_NAMES, check_case, random_case
-from harmony_opt.io import atomic_write_text
+from harmony_opt.core.io import atomic_write_text
 
 
 class _Timeout(Exception):
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
     # import every module a planner or the check uses before the workers fork, so that all examples run the
     # same code even when someone edits the tree during a soak of an hour
-    import harmony_opt.baselines, harmony_opt.harmony, harmony_opt.simulator  # noqa: E401,F401
+    import harmony_opt.planners.baselines, harmony_opt.harmony, harmony_opt.sim.simulator  # noqa: E401,F401
     if "cp-sat" in planners:
         import solver_models.planner  # noqa: F401
     code = _code_state()

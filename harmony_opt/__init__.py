@@ -4,12 +4,12 @@ The pipeline (docs/design.md): a Profile and a Hardware go into a planner, which
 returns a Plan; the simulator scores any Plan as a Timeline; the compiler lowers a
 Plan to a Program that the runtime executes.
 """
-from .errors import (DataError, HardwareError, HarmonyOptError, InfeasibleError, PlanError, ProfileError,
+from .core.errors import (DataError, HardwareError, HarmonyOptError, InfeasibleError, PlanError, ProfileError,
                      ProgramError, RuntimeMemoryError, UsageError)
-from .hardware import PRESETS, Hardware, get_hardware
-from .plan import PackOptions, Plan
-from .profile import PhaseCosts, Profile
-from .bundled import bundled_names, load_profile
+from .core.hardware import PRESETS, Hardware, get_hardware
+from .core.plan import PackOptions, Plan
+from .core.profile import PhaseCosts, Profile
+from .core.bundled import bundled_names, load_profile
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,7 @@ __all__ = [
 
 # The runtime side imports torch (about a second): loaded on first use, so that planning,
 # simulating and the other torch-free commands start fast.
-_LAZY = {"compile_plan": "compiler", "Program": "program", "validate_program": "program",
+_LAZY = {"compile_plan": "compile.compiler", "Program": "compile.program", "validate_program": "compile.program",
          "TrainResult": "training", "train": "training"}
 __all__ += list(_LAZY)
 

@@ -11,7 +11,7 @@ import sys
 import traceback
 
 from . import __version__
-from .errors import HarmonyOptError, UsageError
+from .core.errors import HarmonyOptError, UsageError
 
 # Each subcommand module registers itself with `register(subparsers)` and sets `func`.
 _COMMAND_MODULES = (

@@ -7,8 +7,8 @@ failure found by either is replayed by ``check_case(FuzzCase(...))``.
 The contract: every planner either returns a plan that validates, matches
 the profile and hardware, round-trips through JSON, simulates under the memory cap
 with the iteration time it claims, compiles to a program that holds no more than the cap
-(harmony_opt.memory.program_memory: what the runtime's guard counts) (and no faster than the baselines' lower bound
-:func:`~harmony_opt.baselines.iteration_floor` says), or raises :class:`InfeasibleError`
+(harmony_opt.compile.program_memory.program_memory: what the runtime's guard counts) (and no faster than the baselines' lower bound
+:func:`~harmony_opt.planners.baselines.iteration_floor` says), or raises :class:`InfeasibleError`
 with a non-empty explanation. Any other exception is a bug.
 """
 from __future__ import annotations
@@ -20,11 +20,15 @@ import math
 import numpy as np
 import pandas as pd
 
-from .errors import ContractError, InfeasibleError
-from .hardware import Hardware
-from .plan import Plan
-from .profile import Profile
-from .units import GB, GiB
+from .core.errors import ContractError, InfeasibleError
+from .core.hardware import Hardware
+from .compile.program_memory import program_memory
+from .core.plan import Plan
+from .core.profile import Profile
+from .core.units import GB, GiB
+from .planners.baselines import get_planner, iteration_floor
+from .sim.host_memory import activation_ceiling, host_memory, model_host_memory
+from .sim.simulator import simulate
 
 PLANNER_NAMES = ("cp-sat", "harmony", "naive-swap", "l2l", "zero-offload")
 BASELINE_NAMES = PLANNER_NAMES[1:]
@@ -108,7 +112,6 @@ def random_hardware(profile: Profile, gpus: int, cap_factor: float, seed: int, h
 
 
 def build(case: FuzzCase) -> tuple[Profile, Hardware]:
-    from .host_memory import activation_ceiling, model_host_memory
     profile = random_profile(case.layers, case.seed)
     host = 2**50 if case.host_factor is None else \
         max(1, model_host_memory(profile).total + int(case.host_factor * activation_ceiling(profile, case.batch)))
@@ -121,7 +124,6 @@ def run_planner(name: str, profile: Profile, hw: Hardware, case: FuzzCase) -> Pl
         from solver_models.planner import PlannerOptions, plan
         opts = PlannerOptions(mode=case.mode, gpus=case.use_gpus, time_limit=case.time_limit, seed=0, workers=1)
         return plan(profile, hw, case.batch, opts, memory_cap=cap)
-    from .baselines import get_planner
     kw = {"gpus": case.use_gpus}
     if name == "harmony":
         kw["mode"] = "vPP" if case.mode == "auto" else case.mode
@@ -130,7 +132,6 @@ def run_planner(name: str, profile: Profile, hw: Hardware, case: FuzzCase) -> Pl
 
 def check_plan(plan: Plan, profile: Profile, hw: Hardware, cap: int, name: str) -> None:
     """Check the plan half of the contract; :class:`ContractError` says which promise broke."""
-    from .simulator import simulate
     where = f"{name} plan"
     plan.validate()
     plan.check_against(profile, hw)
@@ -144,12 +145,10 @@ def check_plan(plan: Plan, profile: Profile, hw: Hardware, cap: int, name: str) 
     peak = max(tl.peak_memory().values(), default=0)
     if peak > cap:
         raise ContractError(f"{where}: simulated peak {peak} bytes exceeds the cap {cap}")
-    from .memory import program_memory
     run = program_memory(plan, profile, cap)
     if not run.fits:
         raise ContractError(f"{where}: its program would hold {run.over[2]} bytes at {run.over[1]} on GPU "
                             f"{run.over[0]}, over the cap {cap}: refused at run time")
-    from .host_memory import host_memory
     host = host_memory(plan, profile, hw)
     if host.total > hw.host_memory_bytes or host.pinned > hw.pinned_memory_bytes:
         raise ContractError(f"{where}: needs {host.total} bytes of host memory ({host.pinned} pinned), the host "
@@ -160,7 +159,6 @@ def check_plan(plan: Plan, profile: Profile, hw: Hardware, cap: int, name: str) 
     if not math.isclose(t, tl.iteration_time, rel_tol=1e-9, abs_tol=1e-12):
         raise ContractError(f"{where}: claims {t} s but simulates to {tl.iteration_time} s")
     # the baselines skip microbatch sizes by this bound: it must hold for every plan it applies to
-    from .baselines import iteration_floor
     floor = iteration_floor(plan, profile, hw)
     if not floor <= tl.iteration_time * (1 + 1e-7):
         raise ContractError(f"{where}: iteration_floor {floor} s exceeds the simulated {tl.iteration_time} s")

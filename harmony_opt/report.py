@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .profile import Profile
+from .core.io import atomic_write_bytes
+from .core.profile import Profile
 
 
 def profiles_table(profiles: list[Profile]) -> pd.DataFrame:
@@ -52,7 +53,6 @@ def plot_profile(p: Profile, u: int, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .io import atomic_write_bytes
     import io
 
     df = layer_table(p, u)

@@ -24,11 +24,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .bundled import bundled_names, load_profile
-from .errors import HarmonyOptError
-from .hardware import get_hardware
-from .io import atomic_write_text
-from .units import GiB, fmt_bytes
+from .commands.planning import compare_table
+from .core.bundled import bundled_names, load_profile
+from .core.errors import HarmonyOptError
+from .core.hardware import get_hardware
+from .core.io import atomic_write_bytes, atomic_write_text
+from .core.units import GiB, fmt_bytes
+from .harmony import harmony_search
+from .measure.synthetic import GPT2_SCALING, gpt2_profile
+from .planners.baselines import plan_harmony
+from .sim.bound import lower_bound
+from .sim.simulator import simulate
 
 log = logging.getLogger("harmony_opt.reproduce")
 
@@ -167,8 +173,6 @@ def table1_row(model: str, cap: int, time_limit: float, batch: int = TABLE1_BATC
     comparison with the paper."""
     from solver_models.planner import PlannerOptions, plan
 
-    from .baselines import plan_harmony
-    from .harmony import harmony_search
     profile = load_profile(model)
     hw = get_hardware(HARDWARE, memory_cap=cap)
     t0 = time.perf_counter()
@@ -278,7 +282,7 @@ def write_table1(df: pd.DataFrame, out_dir: Path, time_limit: float) -> list[Pat
             "ours_search_s / harmony_search_s. `ours_time_s`: the simulated iteration time of its plan, judged by "
             "the same simulator as Harmony's; `speedup` = harmony_time_s / ours_time_s (>= 1: the planner "
             "starts from Harmony's plan). `lower_bound_s`: the physical lower bound over all plans "
-            "(harmony_opt.bound), `ours_efficiency` = lower_bound_s / ours_time_s. " + solver_notes("ours_"))
+            "(harmony_opt.sim.bound), `ours_efficiency` = lower_bound_s / ours_time_s. " + solver_notes("ours_"))
     free = ("Our planner with the mode, the GPU count (1 to 4) and uneven microbatch splits free "
             f"(`PlannerOptions(mode=\"auto\", gpus=None, uneven=True)`, time limit {time_limit:g} work "
             "seconds), in the same process after the two searches above. `ours_free_speedup` = harmony_time_s "
@@ -317,7 +321,6 @@ def compare_cells(models=None, batches=COMPARE_BATCHES, gpus=COMPARE_GPUS, gantt
 
 def run_cell(cell: CompareCell) -> tuple[list[dict], dict]:
     """Rows (one per planner and mode, plus the lower bound) and, if asked, the timelines by (planner, mode)."""
-    from .commands.planning import compare_table
     profile = load_profile(cell.model)
     hw = get_hardware(HARDWARE, gpus=cell.gpus)
     t0 = time.perf_counter()
@@ -473,7 +476,6 @@ def _save(fig, path: Path) -> Path:
 
     import matplotlib.pyplot as plt
 
-    from .io import atomic_write_bytes
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
@@ -541,7 +543,7 @@ def write_compare(df: pd.DataFrame, timelines: dict, out_dir: Path, time_limit: 
     def swap_ratio(a, b):
         return _spread(swap[a] / swap[b], ".2f") if {a, b} <= set(swap.columns) else "n/a"
     all_notes = ("`status`: ok, infeasible (the note says why), skipped, or bound (the lower bound over all "
-                 "plans, harmony_opt.bound: no plan can be faster). efficiency = lower bound / iteration time; "
+                 "plans, harmony_opt.sim.bound: no plan can be faster). efficiency = lower bound / iteration time; "
                  "swap_GB = host->GPU + GPU->host bytes per iteration. This summary keeps the faster mode per "
                  "planner; compare.csv has both. Swap volume per cell, naive-swap / Harmony's: "
                  f"{swap_ratio('naive-swap', 'harmony')}; ours / Harmony's: {swap_ratio('cp-sat', 'harmony')} "
@@ -604,7 +606,7 @@ SCALING_HOST_MEMORY, SCALING_PINNED_MEMORY = 2 * 2**40, 3 * 2**39
 
 def scaling_hardware():
     """The paper's server with the host memory GPT-2 100B needs: 1.6 TiB (0.9 TiB pinned) for its
-    weights, gradients, Adam state and stashed inputs (harmony_opt.host_memory)."""
+    weights, gradients, Adam state and stashed inputs (harmony_opt.sim.host_memory)."""
     return dataclasses.replace(get_hardware(HARDWARE), name=f"{HARDWARE}-2tib-host",
                                host_memory_bytes=SCALING_HOST_MEMORY, pinned_memory_bytes=SCALING_PINNED_MEMORY)
 
@@ -612,11 +614,9 @@ def scaling_hardware():
 def scaling_row(name: str, time_limit: float, batch: int = TABLE1_BATCH, gpus: int = TABLE1_GPUS,
                 mode: str = TABLE1_MODE, shape=None) -> dict:
     """Search time and plan quality of Harmony's search and ours on one synthetic GPT-2
-    (``shape``: a :class:`~harmony_opt.synthetic.GPT2Shape`, default the named one of the series)."""
+    (``shape``: a :class:`~harmony_opt.measure.synthetic.GPT2Shape`, default the named one of the series)."""
     from solver_models.planner import PlannerOptions, plan
 
-    from .baselines import plan_harmony
-    from .synthetic import GPT2_SCALING, gpt2_profile
     shape = shape or GPT2_SCALING[name]
     profile = gpt2_profile(shape, name=name)
     hw = scaling_hardware()
@@ -658,17 +658,17 @@ def write_scaling(df: pd.DataFrame, out_dir: Path, time_limit: float) -> list[Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     out_dir = Path(out_dir)
-    notes = (f"Synthetic GPT-2 profiles (n_embd 4096, 32 heads, 50 to 500 blocks; harmony_opt.synthetic, "
+    notes = (f"Synthetic GPT-2 profiles (n_embd 4096, 32 heads, 50 to 500 blocks; harmony_opt.measure.synthetic, "
              f"calibrated on gpt2_xl's measured profile), minibatch {TABLE1_BATCH}, {TABLE1_MODE}, "
              f"{TABLE1_GPUS} GPUs, {HARDWARE} (10 GiB cap) with {fmt_bytes(SCALING_HOST_MEMORY)} of host memory "
              f"(GPT-2 20B to 100B keep 0.3 to 1.6 TiB there: weights, gradients, Adam state, stashed inputs; "
-             f"harmony_opt.host_memory). Search times in seconds, measured in one process "
+             f"harmony_opt.sim.host_memory). Search times in seconds, measured in one process "
              f"one after the other; our search has a time limit of {time_limit:g} work seconds and includes a "
              f"run of Harmony's search (its incumbent); `ours_search_ratio` = ours_search_s / harmony_search_s. "
              f"`packings_log10`: log10 of the ways to cut the layers into contiguous packs for one phase, "
              f"2^(layers-1): what an enumeration of packings would face; Harmony walks only its few heuristics "
              f"(`harmony_configs` candidates, each costing a simulation). `speedup` = harmony_time_s / "
-             f"ours_time_s; `lower_bound_s`: the bound over all plans (harmony_opt.bound), `ours_efficiency` = "
+             f"ours_time_s; `lower_bound_s`: the bound over all plans (harmony_opt.sim.bound), `ours_efficiency` = "
              f"lower_bound_s / ours_time_s. " + solver_notes("ours_"))
     cols = ["model", "params_B", "layers", "packings_log10", "harmony_configs", "harmony_search_s",
             "harmony_time_s", "ours_search_s", "ours_search_ratio", "ours_u_fwd", "ours_u_bwd", "ours_packs_fwd",
@@ -735,9 +735,6 @@ def two_servers(time_limit: float = 10.0, model: str = "gpt2_xl", batch: int = T
     """Harmony's search (vPP and vDP) and ours on one server and on two, all simulated."""
     from solver_models.planner import PlannerOptions, plan
 
-    from .baselines import plan_harmony
-    from .bound import lower_bound
-    from .simulator import simulate
     profile = load_profile(model)
     rows = []
     for label, hw in two_server_hardware().items():

@@ -2,14 +2,14 @@
 
 ::
 
-    from harmony_opt.models import build_model
+    from harmony_opt.measure.models import build_model
     from harmony_opt.training import train
 
     model = build_model("gpt2-tiny")
     result = train(model, plan, steps=20, optimizer="adam", lr=1e-3, checkpoint_dir="ckpt")
     result.losses, result.samples_per_s, result.weights[3]["block.attn.c_attn.weight"]
 
-The plan is compiled (:func:`harmony_opt.compiler.compile_plan`), validated, and run by
+The plan is compiled (:func:`harmony_opt.compile.compiler.compile_plan`), validated, and run by
 the runtime executor, one process per GPU rank when the plan has more than one. The
 result equals plain single-device training of the same model on the same minibatches:
 each microbatch's loss is weighted by its share of the minibatch, so the gradients are
@@ -29,9 +29,12 @@ from typing import Callable, Iterable
 
 import torch
 
-from .errors import DataError, PlanError, ProgramError, RuntimeMemoryError, UsageError
-from .plan import Plan
-from .program import Program, plan_identity, validate_program
+from .compile.compiler import compile_plan
+from .compile.program import Program, plan_identity, validate_program
+from .core.errors import DataError, PlanError, ProgramError, RuntimeMemoryError, UsageError
+from .core.plan import Plan
+from .measure.models import MODEL_NAMES
+from .sim.timeline import Timeline
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -55,7 +58,6 @@ class TrainResult:
     def timeline(self):
         """The last step as measured (``train(..., trace=True)``): a Timeline like the simulator's,
         one event per instruction, so the two can be compared stream by stream or drawn alike."""
-        from .timeline import Timeline
 
         if not any(self.trace):
             raise UsageError("no trace was recorded: train with trace=True")
@@ -136,7 +138,6 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
 
 def check_plan(model, plan: Plan) -> None:
     """Refuse a plan made for another model: another layer count, or another built-in model's profile."""
-    from .models import MODEL_NAMES
 
     if not isinstance(plan, Plan):
         raise UsageError(f"plan must be a harmony_opt Plan, got {type(plan).__name__}")
@@ -163,7 +164,6 @@ def _check_device(device: str, gpus: int) -> None:
 def _program(plan: Plan, layers: list, program: Program | None, sizes=None, cap: int | None = None) -> Program:
     """The plan's program (or the given one, checked against the plan and model), validated with the
     model's measured ``sizes`` against ``cap``: a run the memory guard would stop is refused here."""
-    from .compiler import compile_plan
 
     if program is None:
         program = compile_plan(plan, layer_bytes=sizes, memory_cap=cap)

@@ -1,10 +1,10 @@
 """Checkpoints: every layer's weights and buffers, the optimizer state of every pack, the step.
 
 One file, ``checkpoint.pt`` in the checkpoint folder, written atomically (temporary
-file, fsync, rename: :mod:`harmony_opt.io`), so an interrupted run leaves the previous
+file, fsync, rename: :mod:`harmony_opt.core.io`), so an interrupted run leaves the previous
 checkpoint or the new one, never half of one. It records the identity of the plan and
 the shapes of the model it belongs to; :func:`load_checkpoint` refuses one written for
-another plan or model with a :class:`~harmony_opt.errors.DataError` before any step.
+another plan or model with a :class:`~harmony_opt.core.errors.DataError` before any step.
 
 Nothing else needs saving for a resumed run to continue exactly like an uninterrupted
 one: minibatches come from a generator seeded per step, dropout draws from a generator
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from harmony_opt.errors import DataError
-from harmony_opt.io import atomic_write_bytes
+from harmony_opt.core.errors import DataError
+from harmony_opt.core.io import atomic_write_bytes
 
 FORMAT = "harmony-opt-checkpoint"
 VERSION = 1

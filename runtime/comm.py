@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from harmony_opt.program import Kind, Program, channel
+from harmony_opt.compile.program import Kind, Program, channel
 
 
 def program_channels(program: Program) -> list[tuple[int, int, str]]:

@@ -7,12 +7,12 @@
     loss = ex.run_iteration(step, inputs, targets)
 
 One class per instruction kind would only repeat the Program's own types, so the
-dispatch table ``_HANDLERS`` maps each :class:`~harmony_opt.program.Kind` to a method;
+dispatch table ``_HANDLERS`` maps each :class:`~harmony_opt.compile.program.Kind` to a method;
 an unknown kind is an error. Each handler returns the device tensors it allocates,
-keyed as :func:`harmony_opt.program.effects` names them, and the executor's device
+keyed as :func:`harmony_opt.compile.program.effects` names them, and the executor's device
 table does the rest: it refuses a read of a tensor that is not there, and its memory
 guard stops the first instruction that would hold more live device bytes than the cap
-(:class:`~harmony_opt.errors.RuntimeMemoryError`, naming the instruction). Each
+(:class:`~harmony_opt.core.errors.RuntimeMemoryError`, naming the instruction). Each
 instruction runs inside ``record_function("H:<instruction>")``, so a profiler trace
 shows the schedule.
 
@@ -39,10 +39,10 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.autograd.profiler import record_function
 from torch.func import functional_call
 
-from harmony_opt.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
-from harmony_opt.kinds import Tensor
-from harmony_opt.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects, format_schedule
-from harmony_opt.timeline import memory_steps
+from harmony_opt.core.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
+from harmony_opt.core.kinds import Tensor
+from harmony_opt.compile.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects, format_schedule
+from harmony_opt.sim.timeline import memory_steps
 
 from .buffers import HostBuffers
 from .graph import CountSaved, Offload, PackGraph
@@ -120,7 +120,7 @@ class DeviceTable:
 
 
 class Tracer:
-    """When and where every instruction of the last iteration ran, as :class:`~harmony_opt.timeline.Timeline`
+    """When and where every instruction of the last iteration ran, as :class:`~harmony_opt.sim.timeline.Timeline`
     event rows (seconds from the iteration's start). On a GPU from CUDA events on each instruction's
     stream (the device's clock, from an event recorded as the iteration starts); on the CPU, and for
     the CPU optimizer's steps, from the wall clock. Frees take no time and are left out, as are

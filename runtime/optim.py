@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from harmony_opt.errors import UsageError
-from harmony_opt.hardware import usable_cores
+from harmony_opt.core.errors import UsageError
+from harmony_opt.core.hardware import usable_cores
 
 from .buffers import host_copy, host_empty
 

@@ -15,8 +15,8 @@ import contextlib
 import torch
 from torch import nn
 
-from harmony_opt.errors import DataError
-from harmony_opt.program import LayerBytes
+from harmony_opt.core.errors import DataError
+from harmony_opt.compile.program import LayerBytes
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
 
@@ -101,7 +101,7 @@ def measure_layer_bytes(layers: list[nn.Module], inputs: torch.Tensor, targets: 
 
 def _per_sample(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor, n: int) -> list[list[float]]:
     """Input bytes and the four saved counts (profiler.saved_counts) of every layer on ``n`` samples."""
-    from harmony_opt.profiler import saved_counts
+    from harmony_opt.measure.profiler import saved_counts
 
     R = len(layers)
     cols: list[list[float]] = [[], [], [], [], []]

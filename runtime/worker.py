@@ -25,8 +25,8 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from harmony_opt import errors
-from harmony_opt.program import Kind, Program
+from harmony_opt.core import errors
+from harmony_opt.compile.program import Kind, Program
 
 from .buffers import pin_in_place
 from .checkpoint import save_checkpoint
@@ -157,7 +157,7 @@ def _rank_main(rank: int, world: int, port: int, job: Job, results) -> None:
 
 
 #: Modules the fork server imports once, so that every later rank process starts warm.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "harmony_opt.program", "runtime.worker"]
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "harmony_opt.compile.program", "runtime.worker"]
 
 
 def layer_modules(layers: list[nn.Module]) -> list[str]:

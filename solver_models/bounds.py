@@ -12,10 +12,10 @@ import math
 
 import numpy as np
 
-from harmony_opt.hardware import Hardware
-from harmony_opt.memory import max_pack_end
-from harmony_opt.plan import data_shares, split_microbatches
-from harmony_opt.profile import Profile
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.core.memory import max_pack_end
+from harmony_opt.core.plan import data_shares, split_microbatches
+from harmony_opt.core.profile import Profile
 
 from .tasks import Config, boundary_hops, forward_costs, link_capacity, link_rates, stash_out_exposed, stashable_layers
 

@@ -2,7 +2,7 @@
 
 The packing model (packing.py) rates a configuration with a closed formula; this model
 schedules the plan's actual events, the same ones the simulator plays
-(harmony_opt.simulator builds them):
+(harmony_opt.sim.simulator builds them):
 
 * one interval per event (compute, swap-in of weights and activations, swap-out, P2P,
   CPU update), its length the event's duration;
@@ -41,10 +41,10 @@ from graphlib import TopologicalSorter
 
 from ortools.sat.python import cp_model
 
-from harmony_opt.hardware import Hardware
-from harmony_opt.plan import ORDERED_STREAMS, Plan, StreamOrder
-from harmony_opt.profile import Profile
-from harmony_opt.simulator import Expansion, check_memory
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.core.plan import ORDERED_STREAMS, Plan, StreamOrder
+from harmony_opt.core.profile import Profile
+from harmony_opt.sim.simulator import Expansion, check_memory
 
 from . import cpsat
 

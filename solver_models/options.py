@@ -5,11 +5,11 @@ import dataclasses
 import math
 
 
-from harmony_opt.baselines import feasible_sizes
-from harmony_opt.errors import UsageError
-from harmony_opt.hardware import Hardware
-from harmony_opt.plan import data_shares
-from harmony_opt.profile import Profile
+from harmony_opt.planners.baselines import feasible_sizes
+from harmony_opt.core.errors import UsageError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.core.plan import data_shares
+from harmony_opt.core.profile import Profile
 
 from .tasks import Config
 

@@ -24,11 +24,11 @@ the code below and in the step modules' docstrings:
    model's bound says so) and budget is left, the timeline model chooses it, and the plan carries
    it when the simulator plays it faster.
 
-Finally the compiled program's memory is checked (harmony_opt.memory.fit_to_program). Reported in
+Finally the compiled program's memory is checked (harmony_opt.compile.program_memory.fit_to_program). Reported in
 ``plan.solver``: the model's objective for the chosen plan and its agreement with the simulator
 (``fidelity``), the bound over every configuration searched and the gap to it, the chosen
 configuration's status and bound, the timeline model's result, the physical lower bound over all
-plans (harmony_opt.bound) and the speed-up over Harmony's search.
+plans (harmony_opt.sim.bound) and the speed-up over Harmony's search.
 """
 from __future__ import annotations
 
@@ -38,14 +38,14 @@ import time
 
 import numpy as np
 
-from harmony_opt.bound import lower_bound
-from harmony_opt.bundled import profile_ident
-from harmony_opt.errors import HarmonyOptError
-from harmony_opt.hardware import Hardware
-from harmony_opt.host_memory import may_bind, model_host_memory
-from harmony_opt.memory import fit_to_program
-from harmony_opt.plan import Plan
-from harmony_opt.profile import Profile
+from harmony_opt.sim.bound import lower_bound
+from harmony_opt.core.bundled import profile_ident
+from harmony_opt.core.errors import HarmonyOptError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.sim.host_memory import may_bind, model_host_memory
+from harmony_opt.compile.program_memory import fit_to_program
+from harmony_opt.core.plan import Plan
+from harmony_opt.core.profile import Profile
 
 from . import pool
 from .bounds import compute_floor, config_bound, in_bound_order
@@ -113,7 +113,7 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     Deterministic: configurations are visited in a fixed order, the heuristics use seeded
     generators and fixed step counts, CP-SAT runs under a deterministic time limit, so the same
     inputs, seed and workers give the same plan. The plan's compiled program fits the cap
-    (harmony_opt.memory.fit_to_program): where the search's pack memory let through a plan whose
+    (harmony_opt.compile.program_memory.fit_to_program): where the search's pack memory let through a plan whose
     program would not, it searches again under a lower cap, and refuses with the figures where
     that fails too."""
     cap = int(memory_cap or hw.gpu_memory_bytes)

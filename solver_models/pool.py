@@ -8,8 +8,8 @@ import multiprocessing
 import sys
 
 
-from harmony_opt.baselines import played
-from harmony_opt.plan import Plan
+from harmony_opt.planners.baselines import played
+from harmony_opt.core.plan import Plan
 
 from .state import Search
 

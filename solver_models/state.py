@@ -6,14 +6,14 @@ import dataclasses
 import math
 
 
-from harmony_opt.baselines import feasible_sizes, played
-from harmony_opt.errors import InfeasibleError
-from harmony_opt.hardware import Hardware
-from harmony_opt.host_memory import model_host_memory, require_fits
-from harmony_opt.memory import explain_infeasible
-from harmony_opt.plan import PackOptions, Plan, data_shares, split_microbatches
-from harmony_opt.profile import Profile
-from harmony_opt.simulator import count_events
+from harmony_opt.planners.baselines import feasible_sizes, played
+from harmony_opt.core.errors import InfeasibleError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.sim.host_memory import model_host_memory, require_fits
+from harmony_opt.core.memory import explain_infeasible
+from harmony_opt.core.plan import PackOptions, Plan, data_shares, split_microbatches
+from harmony_opt.core.profile import Profile
+from harmony_opt.sim.simulator import count_events
 
 from . import dp
 from .budget import Budget, timeline_slowness

@@ -6,7 +6,7 @@ with the Profile's prefix sums for all candidates at once. Each candidate is a r
 :class:`TaskTable` (``kind`` F: forward pack, C: the criterion pack ``[s, R-1]`` that holds
 the loss, B: any other backward pack), one row per per-pack option variant of a backward pack.
 
-The quantities follow the default simulator's rules (harmony_opt/simulator.py, docs/cost_model.md):
+The quantities follow the default simulator's rules (harmony_opt/sim/simulator.py, docs/cost_model.md):
 
 * ``p_first`` / ``p_last``: compute of the task's first / last microbatch; ``load``: of all of them;
 * ``hop_in``: latency of one microbatch's input handoff from the previous task (P2P between
@@ -17,7 +17,7 @@ The quantities follow the default simulator's rules (harmony_opt/simulator.py, d
   transfer, all-reduce and gradient swap-out); ``upd``: the CPU optimizer step after that;
 * ``h2d`` / ``d2h``: bytes over the host link, for the link's capacity;
 * ``host``: the activation buffers the task adds to host memory, all replicas together
-  (harmony_opt/host_memory.py): its output or gradient handed on through host memory, a backward
+  (harmony_opt/sim/host_memory.py): its output or gradient handed on through host memory, a backward
   pack's stashed input or saved activations, the data for the first task.
 
 In vDP the replicas run in lockstep on one shared host link: their simultaneous transfers take
@@ -34,11 +34,11 @@ import dataclasses
 
 import numpy as np
 
-from harmony_opt.hardware import Hardware
-from harmony_opt.host_memory import may_bind, model_host_memory
-from harmony_opt.memory import max_pack_end
-from harmony_opt.plan import data_shares, split_microbatches
-from harmony_opt.profile import Profile
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.sim.host_memory import may_bind, model_host_memory
+from harmony_opt.core.memory import max_pack_end
+from harmony_opt.core.plan import data_shares, split_microbatches
+from harmony_opt.core.profile import Profile
 
 F, C, B = 0, 1, 2          # task kinds in TaskTable.kind
 TICKS_PER_S = 10_000       # the models' integer time unit: 100 us (small coefficients keep CP-SAT's LP well scaled)
@@ -452,7 +452,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
 
 def host_budget(profile: Profile, hw: Hardware, batch: int) -> int | None:
     """MiB of host memory left for a plan's activation buffers once the weights, gradients and
-    optimizer state are in (harmony_opt/host_memory.py; all of them pinned, so the lesser of what
+    optimizer state are in (harmony_opt/sim/host_memory.py; all of them pinned, so the lesser of what
     is left of either budget); None where no plan of ``batch`` samples could exceed it."""
     if not may_bind(profile, hw, batch):
         return None

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from hypothesis import settings
 
-from harmony_opt.profile import Profile
+from harmony_opt.core.profile import Profile
 
 # Every run draws the same examples (seeded by each test's source), so a failure reproduces by rerunning
 # the test; no deadline (a timing failure would not reproduce) and the failure report carries the

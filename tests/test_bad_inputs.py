@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harmony_opt import errors
+from harmony_opt.core import errors
 from harmony_opt.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,12 +25,12 @@ CASES = tomllib.loads(MANIFEST.read_text())["case"]
 
 def _api(case: dict):
     """The library call a program would make with this input."""
-    from harmony_opt.bundled import load_profile
-    from harmony_opt.hardware import Hardware, get_hardware
-    from harmony_opt.plan import Plan
-    from harmony_opt.profile import Profile
-    from harmony_opt.program import Program, validate_program
-    from harmony_opt.simulator import simulate
+    from harmony_opt.core.bundled import load_profile
+    from harmony_opt.core.hardware import Hardware, get_hardware
+    from harmony_opt.core.plan import Plan
+    from harmony_opt.core.profile import Profile
+    from harmony_opt.compile.program import Program, validate_program
+    from harmony_opt.sim.simulator import simulate
     path = case["input"]
     kind = case["api"]
     if kind == "profile":
@@ -54,7 +54,7 @@ def _api(case: dict):
         return hw
     profile = Profile.load(path)
     if kind == "baseline":
-        from harmony_opt.baselines import get_planner
+        from harmony_opt.planners.baselines import get_planner
         return get_planner(case["planner"])(profile, hw, case["batch"], hw.gpu_memory_bytes, gpus=case.get("gpus"))
     if kind == "cp-sat":
         from solver_models.planner import PlannerOptions, plan

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 from harmony_opt import get_hardware, load_profile
-from harmony_opt.errors import InfeasibleError
-from harmony_opt.hardware import Hardware
-from harmony_opt.plan import data_shares, split_microbatches
-from harmony_opt.profile import Profile
+from harmony_opt.core.errors import InfeasibleError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.core.plan import data_shares, split_microbatches
+from harmony_opt.core.profile import Profile
 from solver_models import chain, dp, search
 from solver_models.bounds import compute_floor, config_bound, in_bound_order, pipeline_path_bound
 from solver_models.options import configurations
@@ -208,7 +208,7 @@ def test_link_bound_counts_only_the_backward_packs_weights_in_the_backward():
        st.sampled_from(["auto", "vDP"]))
 @example(R=4, seed=726972, batch=8, tight=0.45067003993854926, mode="auto")
 @example(R=3, seed=21, batch=8, tight=1.4639499222238497, mode="auto")
-# the lower bound over all plans (harmony_opt.bound) took each layer's backward less its forward at 0 at
+# the lower bound over all plans (harmony_opt.sim.bound) took each layer's backward less its forward at 0 at
 # least: 45.0 ms over a plan the simulator plays in 37.6 ms
 @example(R=5, seed=330852, batch=8, tight=2.802699193207325, mode="auto")
 def test_the_planner_reports_bounds_below_what_they_bound(R, seed, batch, tight, mode):
@@ -218,7 +218,7 @@ def test_the_planner_reports_bounds_below_what_they_bound(R, seed, batch, tight,
     profile, hw, cap = instance(R, seed, [1, 2, 4, 8], [1, 2, 4, 8], 1, 6e9, 0.0, batch, tight)
     try:
         p = plan(profile, hw, batch, PlannerOptions(mode=mode, time_limit=1.0), memory_cap=cap)
-    except InfeasibleError:             # the compiled program does not fit the cap (harmony_opt.memory)
+    except InfeasibleError:             # the compiled program does not fit the cap (harmony_opt.core.memory)
         return
     s = p.solver
     conf = s["configuration"]
@@ -527,7 +527,7 @@ def test_vpp_path_bound_ends_where_the_first_layer_takes_no_time():
     budgets, harmony_opt.fuzzing). An alarm turns a hang into a failure."""
     import signal
 
-    from harmony_opt.profile import Profile
+    from harmony_opt.core.profile import Profile
     base = synthetic_profile(R=4, seed=3)
     micro = base.microbatch.copy()
     micro.loc[micro.layer == 0, "gpu_time_s"] = 0.0

@@ -16,10 +16,10 @@ import functools
 
 import pytest
 
-from harmony_opt.hardware import get_hardware
-from harmony_opt.models import build_model
-from harmony_opt.plan import PackOptions, Plan
-from harmony_opt.simulator import simulate
+from harmony_opt.core.hardware import get_hardware
+from harmony_opt.measure.models import build_model
+from harmony_opt.core.plan import PackOptions, Plan
+from harmony_opt.sim.simulator import simulate
 from harmony_opt.training import train
 
 NO_RC, GPU_OPT = PackOptions(recompute=False), PackOptions(optimizer="gpu")
@@ -27,7 +27,7 @@ NO_RC, GPU_OPT = PackOptions(recompute=False), PackOptions(optimizer="gpu")
 
 @functools.lru_cache(maxsize=1)
 def _profile():
-    from harmony_opt.profiler import profile_model
+    from harmony_opt.measure.profiler import profile_model
     return profile_model(build_model("gpt2-tiny"), [1, 2, 3, 4], "cpu", repeats=1, warmup=0, progress=False)
 
 
@@ -63,16 +63,16 @@ def test_executor_moves_the_bytes_the_simulator_charges(name):
 
 @pytest.mark.parametrize("name", list(_plans(8)))
 def test_host_memory_is_what_the_executor_holds(name, monkeypatch):
-    """harmony_opt.host_memory against the executor's host tensors after one iteration with Adam: the
+    """harmony_opt.sim.host_memory against the executor's host tensors after one iteration with Adam: the
     master weights, the gradient buffers, the optimizer state and the activation buffers (the targets
     aside, which no profile has); a stashed pack's host copies of its saved activations are counted
     while they live, and the profile counts them layer by layer (a few % apart, as above)."""
     import torch
 
     import runtime.executor as rex
-    from harmony_opt.compiler import compile_plan
-    from harmony_opt.host_memory import host_memory
-    from harmony_opt.program import Kind
+    from harmony_opt.compile.compiler import compile_plan
+    from harmony_opt.sim.host_memory import host_memory
+    from harmony_opt.compile.program import Kind
     from runtime.optim import PackOptimizers
     from runtime.shapes import boundary_shapes
     from runtime.worker import updated_packs
@@ -108,9 +108,9 @@ def test_host_memory_is_what_the_executor_holds(name, monkeypatch):
 def test_the_quick_host_ceiling_is_never_below_the_count():
     """host_memory.overrun skips the exact count where a ceiling of the plan's buffers fits: the ceiling
     must hold for every kind of plan (stash, naive swapping, uneven vDP, kept gradients, Harmony's)."""
-    from harmony_opt.baselines import plan_harmony
-    from harmony_opt.bundled import load_profile
-    from harmony_opt.host_memory import activation_ceiling, host_memory
+    from harmony_opt.planners.baselines import plan_harmony
+    from harmony_opt.core.bundled import load_profile
+    from harmony_opt.sim.host_memory import activation_ceiling, host_memory
 
     def ceiling(plan, prof):
         packs = [*plan.packs_fwd, *plan.packs_bwd]

@@ -38,7 +38,7 @@ def test_baseline_then_simulate(capsys, tmp_path):
                        "--trace", str(tmp_path / "t.json"))
     assert rc == 0, err
     assert "iteration time" in out and (tmp_path / "g.png").exists() and (tmp_path / "t.json").exists()
-    # the plan's host memory beside the hardware's budgets (harmony_opt.host_memory)
+    # the plan's host memory beside the hardware's budgets (harmony_opt.sim.host_memory)
     assert re.search(r"^host memory: [\d.]+ GiB \(weights and buffers [\d.]+ GiB, optimizer state .*activation "
                      r"buffers .*hardware 1080ti-x4 has 256.00 GiB, 192.00 GiB pinnable$", out, re.M), out
     assert "warning" not in out
@@ -98,14 +98,14 @@ def test_output_path_that_is_a_folder_is_exit_2(capsys, tmp_path):
 ])
 def test_a_bad_output_path_fails_before_the_search(capsys, tmp_path, monkeypatch, argv):
     """A user should not wait for a search whose result cannot be written."""
-    import harmony_opt.baselines
+    import harmony_opt.planners.baselines
     import solver_models.planner
 
     def searched(*a, **k):
         raise AssertionError("the search ran before the output path was checked")
     monkeypatch.setattr(solver_models.planner, "plan", searched)
-    monkeypatch.setattr(harmony_opt.baselines, "get_planner", searched)
-    monkeypatch.setattr(harmony_opt.baselines, "PLANNERS", {"l2l": searched})
+    monkeypatch.setattr(harmony_opt.planners.baselines, "get_planner", searched)
+    monkeypatch.setattr(harmony_opt.planners.baselines, "PLANNERS", {"l2l": searched})
     a_file = tmp_path / "not_a_folder"
     a_file.write_text("")
     argv = [x.format(f=a_file) for x in argv]
@@ -169,7 +169,7 @@ def test_a_plan_from_a_profile_folder_finds_it_without_profile(capsys, tmp_path,
     assert rc == 0, err
     # plans of bundled profiles carry the name and hash only (their files stay byte for byte as before),
     # whether the profile is named or its folder given
-    from harmony_opt.bundled import load_profile, profile_ident, profiles_dir
+    from harmony_opt.core.bundled import load_profile, profile_ident, profiles_dir
     for spec in ("gpt2_medium", str(profiles_dir() / "gpt2_medium")):
         assert list(profile_ident(load_profile(spec))) == ["name", "identity"]
 
@@ -192,7 +192,7 @@ def test_plan_uses_the_cores_it_may_run_on_unless_told(capsys, monkeypatch, argv
     import os
 
     import solver_models.planner as planner
-    from harmony_opt.errors import UsageError
+    from harmony_opt.core.errors import UsageError
 
     seen = []
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harmony_opt.compiler import build_tasks, compile_plan, instruction_key, microbatch_rows
-from harmony_opt.errors import PlanError, ProgramError
-from harmony_opt.plan import PackOptions, Plan
-from harmony_opt.program import (Instr, Kind, LayerBytes, Program, Stream, Tensor, effects, format_schedule,
+from harmony_opt.compile.compiler import build_tasks, compile_plan, instruction_key, microbatch_rows
+from harmony_opt.core.errors import PlanError, ProgramError
+from harmony_opt.core.plan import PackOptions, Plan
+from harmony_opt.compile.program import (Instr, Kind, LayerBytes, Program, Stream, Tensor, effects, format_schedule,
                                  validate_program)
 
 
@@ -361,7 +361,7 @@ def test_effects_name_what_moves():
 
 
 def test_layer_bytes_from_a_bundled_profile():
-    from harmony_opt.bundled import load_profile
+    from harmony_opt.core.bundled import load_profile
 
     prof = load_profile("bert_large")
     R = prof.num_layers

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from harmony_opt.baselines import PLANNERS
-from harmony_opt.errors import InfeasibleError
-from harmony_opt.hardware import get_hardware
-from harmony_opt.plan import Plan
+from harmony_opt.planners.baselines import PLANNERS
+from harmony_opt.core.errors import InfeasibleError
+from harmony_opt.core.hardware import get_hardware
+from harmony_opt.core.plan import Plan
 
 from conftest import synthetic_profile
 
@@ -62,7 +62,7 @@ def test_cp_sat_plan_is_the_same_in_fresh_processes_with_other_hash_seeds(tmp_pa
     import subprocess
     import sys
     code = ("import sys; sys.path.insert(0, 'tests'); from conftest import synthetic_profile; "
-            "from harmony_opt.hardware import get_hardware; from solver_models.planner import PlannerOptions, plan; "
+            "from harmony_opt.core.hardware import get_hardware; from solver_models.planner import PlannerOptions, plan; "
             "p = plan(synthetic_profile(R=14, seed=4), get_hardware('1080ti-x4', memory_cap='600MB'), 8, "
             "PlannerOptions(time_limit=3, seed=2)); sys.stdout.write(p.to_json())")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +78,7 @@ def test_more_processes_give_the_same_plan_file(tmp_path, monkeypatch):
     import concurrent.futures
 
     import solver_models.pool as pool
-    from harmony_opt.bundled import load_profile
+    from harmony_opt.core.bundled import load_profile
     from solver_models.planner import PlannerOptions, plan
     calls = {"submit": 0, "map": 0}
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from harmony_opt import get_hardware
-from harmony_opt.plan import ORDERED_STREAMS, Plan
-from harmony_opt.simulator import simulate
+from harmony_opt.core.plan import ORDERED_STREAMS, Plan
+from harmony_opt.sim.simulator import simulate
 from solver_models.planner import PlannerOptions, plan
 
 from conftest import synthetic_profile
@@ -37,7 +37,7 @@ def test_order_bound_holds_for_every_order_of_the_transfers():
     proves an optimum below the rule order's, by running transfers in another order; the plan's
     order bound is below that optimum, and the schedule keeps each stream to one transfer at a
     time and every dependency."""
-    from harmony_opt.simulator import Expansion
+    from harmony_opt.sim.simulator import Expansion
     from solver_models.event_schedule import TRANSFER_STREAMS, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
     p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
@@ -64,7 +64,7 @@ def test_a_plan_carries_the_order_of_the_swaps_the_timeline_model_chose():
     rule's order on four vDP replicas sharing one link; the plan carrying its order
     (``TimelineResult.order``) has that schedule as its own: the fixed-order model of the ordered plan
     reaches it (within the stop gap), below the rule order's optimum, and simulates it."""
-    from harmony_opt.simulator import Expansion
+    from harmony_opt.sim.simulator import Expansion
     from solver_models.event_schedule import _schedule_order, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
     p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
@@ -177,7 +177,7 @@ def test_timeline_bound_counts_the_transfers_queueing_on_the_shared_link():
     side, queue on it. The link's one-machine bound lifts the timeline bound above the longest chain
     and the busiest stream, and stays below the optimum CP-SAT proves."""
     import math
-    from harmony_opt.simulator import Expansion
+    from harmony_opt.sim.simulator import Expansion
     from solver_models.event_schedule import SCALE, _floor_ticks, link_resources, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=1), get_hardware("1080ti-x4").with_gpus(4)
     bwd = [(0, 1), (2, 3), (4, 5)]
@@ -199,8 +199,8 @@ def test_timeline_bound_counts_the_transfers_queueing_on_the_shared_link():
 def test_timeline_model_reserves_the_memory_the_simulator_does(handoff):
     """Replayed at the simulated times, the timeline model's memory reservations are the
     simulator's memory curve, gradients kept on the GPU included."""
-    from harmony_opt.simulator import Expansion
-    from harmony_opt.timeline import memory_steps
+    from harmony_opt.sim.simulator import Expansion
+    from harmony_opt.sim.timeline import memory_steps
     from solver_models.event_schedule import reservations
     prof, hw = synthetic_profile(R=6), get_hardware("1080ti-x4").with_gpus(2)
     bwd = [(0, 1), (2, 3), (4, 5)]

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from harmony_opt.compiler import compile_plan, instruction_key
-from harmony_opt.decompose import ClassificationLoss, LayeredModel, run_layers
-from harmony_opt.errors import ProgramError, RuntimeMemoryError
-from harmony_opt.plan import PackOptions, Plan
-from harmony_opt.program import Kind, Program, Tensor
+from harmony_opt.compile.compiler import compile_plan, instruction_key
+from harmony_opt.measure.decompose import ClassificationLoss, LayeredModel, run_layers
+from harmony_opt.core.errors import ProgramError, RuntimeMemoryError
+from harmony_opt.core.plan import PackOptions, Plan
+from harmony_opt.compile.program import Kind, Program, Tensor
 from harmony_opt.training import batch_seed, train
 
 STEPS = 10
@@ -47,7 +47,7 @@ def mlp(seed: int = 0, dropout: float = 0.0, norm: bool = False) -> LayeredModel
 
 @functools.lru_cache(maxsize=1)
 def _gpt2():
-    from harmony_opt.models import build_model
+    from harmony_opt.measure.models import build_model
     return build_model("gpt2-tiny")
 
 
@@ -269,7 +269,7 @@ def test_kept_attention_graph_with_dropout_trains_on_cuda(monkeypatch):
     """A stashed GPT-2 pack with attention dropout on the GPU: its saved tensors include the
     dropout RNG's seed and offset on the CPU, which moved to the GPU crashed the process
     (segfault in the attention backward). Kept graph and recompute draw the same masks."""
-    from harmony_opt.models import build_model
+    from harmony_opt.measure.models import build_model
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     fwd, bwd = [(0, 2), (3, 4)], [(0, 2), (3, 4), (5, 7)]
@@ -359,5 +359,5 @@ def test_unknown_instruction_kind_is_an_error(monkeypatch):
 def test_rank_processes_preload_the_modules_of_the_layer_classes():
     from runtime.worker import layer_modules
 
-    assert layer_modules(mlp().layers) == ["harmony_opt.decompose"]       # torch's own modules are preloaded anyway
+    assert layer_modules(mlp().layers) == ["harmony_opt.measure.decompose"]       # torch's own modules are preloaded anyway
     assert "transformers.models.gpt2.modeling_gpt2" in layer_modules(gpt2().layers)

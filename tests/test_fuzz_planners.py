@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harmony_opt.fuzzing as fuzzing
-from harmony_opt.errors import ContractError, InfeasibleError
+from harmony_opt.core.errors import ContractError, InfeasibleError
 from harmony_opt.fuzzing import BASELINE_NAMES as BASELINES
 from harmony_opt.fuzzing import FuzzCase, build, check_case, check_plan, random_profile, run_planner
 
@@ -106,8 +106,8 @@ def test_random_profiles_are_valid_at_the_extremes():
 
 def _layerwise_plans(case: FuzzCase):
     """Every candidate plan naive-swap, l2l and zero-offload weigh on this case (not only the winners)."""
-    from harmony_opt.baselines import same_sizes
-    from harmony_opt.plan import Plan
+    from harmony_opt.planners.baselines import same_sizes
+    from harmony_opt.core.plan import Plan
     profile, hw = build(case)
     R, n, cap = profile.num_layers, case.use_gpus or case.gpus, hw.gpu_memory_bytes
     per_layer = [(l, l) for l in range(R)]
@@ -123,9 +123,9 @@ def _layerwise_plans(case: FuzzCase):
 def test_iteration_floor_never_exceeds_the_simulated_time(case):
     """The baselines skip a microbatch size when this bound exceeds the best time so far; a bound above
     the simulated time of any candidate would change the plan they return."""
-    from harmony_opt.baselines import iteration_floor
-    from harmony_opt.errors import PlanError
-    from harmony_opt.simulator import simulate
+    from harmony_opt.planners.baselines import iteration_floor
+    from harmony_opt.core.errors import PlanError
+    from harmony_opt.sim.simulator import simulate
     for profile, hw, plan in _layerwise_plans(case):
         try:
             t = simulate(plan, profile, hw, with_timeline=False).iteration_time
@@ -137,10 +137,10 @@ def test_iteration_floor_never_exceeds_the_simulated_time(case):
 def test_iteration_floor_is_tight_enough_to_skip_sizes():
     """On a long model, per-microbatch swapping at microbatch 1 cannot beat the largest size: the bound
     shows it without simulating (it is what makes naive-swap fast at hundreds of layers)."""
-    from harmony_opt.baselines import iteration_floor, plan_naive_swap
-    from harmony_opt.bundled import load_profile
-    from harmony_opt.hardware import get_hardware
-    from harmony_opt.plan import Plan
+    from harmony_opt.planners.baselines import iteration_floor, plan_naive_swap
+    from harmony_opt.core.bundled import load_profile
+    from harmony_opt.core.hardware import get_hardware
+    from harmony_opt.core.plan import Plan
     profile, hw = load_profile("resnet1026"), get_hardware("1080ti-x4")
     best = plan_naive_swap(profile, hw, 64, hw.gpu_memory_bytes, gpus=1)
     R = profile.num_layers
@@ -153,8 +153,8 @@ def test_iteration_floor_is_tight_enough_to_skip_sizes():
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_layers=12))
 def test_skipping_sizes_returns_what_simulating_every_size_returns(case):
-    import harmony_opt.baselines as B
-    from harmony_opt.errors import InfeasibleError
+    import harmony_opt.planners.baselines as B
+    from harmony_opt.core.errors import InfeasibleError
     profile, hw = build(case)
 
     def run(name):

@@ -54,7 +54,7 @@ def test_handoff_stage_trains_a_plan_both_ways_and_reports_it(tmp_path):
     trained alternately; the same training (same losses), fewer swaps and bytes, both simulated."""
     import json
 
-    from harmony_opt.plan import Plan
+    from harmony_opt.core.plan import Plan
 
     args = ["--quick", "--device", "cpu", "--root", str(tmp_path), "--models", "gpt2-tiny", "--caps", "0.002",
             "--methods", "ours", "--steps", "2", "--warmup", "1"]
@@ -106,7 +106,7 @@ def test_cached_model_build_has_the_same_weights_and_buffers(tmp_path):
     import torch
 
     from experiments.gpu.trial import build_cached
-    from harmony_opt.models import build_model
+    from harmony_opt.measure.models import build_model
 
     fresh = build_model("resnet-tiny", norm="batch")                 # BatchNorm: buffers too
     first = build_cached("resnet-tiny", {"norm": "batch"}, tmp_path)   # builds and saves

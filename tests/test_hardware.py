@@ -1,8 +1,8 @@
 import pytest
 
 from harmony_opt import HardwareError, UsageError, get_hardware
-from harmony_opt.hardware import PRESETS, Hardware
-from harmony_opt.units import GiB, parse_bytes
+from harmony_opt.core.hardware import PRESETS, Hardware
+from harmony_opt.core.units import GiB, parse_bytes
 
 
 def test_presets_carry_the_paper_constants():

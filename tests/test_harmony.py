@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from harmony_opt.bundled import load_profile
-from harmony_opt.errors import InfeasibleError, UsageError
+from harmony_opt.core.bundled import load_profile
+from harmony_opt.core.errors import InfeasibleError, UsageError
 from harmony_opt.harmony import (EventKind, HarmonyCandidate, Medium, Stream, TaskKind, Tensor, compose_task_graph,
                                  expand_events, harmony_search, merge_rendezvous, rebatch, run_events,
                                  simulate_harmony, task_memory)

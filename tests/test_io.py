@@ -1,6 +1,6 @@
 """Files the tool writes are replaced atomically: an interrupted write leaves the old file or none.
 
-Two guards that every write goes through harmony_opt.io: a scanner of the source (every Python
+Two guards that every write goes through harmony_opt.core.io: a scanner of the source (every Python
 file of the repository outside tests/, every form of writing a file that Python, numpy, pandas,
 matplotlib, torch and the standard library offer), and a run of every writing command with
 Python's ``open`` refusing to write."""
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harmony_opt import io
+from harmony_opt.core import io
 from harmony_opt.cli import main
-from harmony_opt.errors import HarmonyOptError, OutputError
+from harmony_opt.core.errors import HarmonyOptError, OutputError
 
 from conftest import synthetic_profile
 
@@ -95,8 +95,8 @@ def test_a_refused_write_is_a_one_line_user_error(tmp_path, monkeypatch):
 
 
 def test_plan_save_goes_through_the_atomic_helper(tmp_path, monkeypatch):
-    from harmony_opt.baselines import plan_l2l
-    from harmony_opt.hardware import get_hardware
+    from harmony_opt.planners.baselines import plan_l2l
+    from harmony_opt.core.hardware import get_hardware
     plan = plan_l2l(synthetic_profile(R=4), get_hardware("1080ti-x4"), 4, 10 * 2**30)
     calls = []
     real = io.atomic_write_bytes
@@ -144,7 +144,7 @@ def _mode(call: ast.Call, position: int) -> str | None:
 
 
 def write_calls(source: str) -> list[tuple[int, str]]:
-    """(line, what) for every call in ``source`` that writes a file other than through harmony_opt.io."""
+    """(line, what) for every call in ``source`` that writes a file other than through harmony_opt.core.io."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call):
@@ -230,10 +230,10 @@ def test_no_module_writes_files_around_the_atomic_helpers():
     assert {"harmony_opt", "runtime", "solver_models", "benchmarks", "experiments"} <= folders
     offenders = []
     for f in files:
-        if f == ROOT / "harmony_opt" / "io.py":
+        if f == ROOT / "harmony_opt" / "core" / "io.py":
             continue
         offenders += [f"{f.relative_to(ROOT)}:{n}: {what}" for n, what in write_calls(f.read_text())]
-    assert not offenders, "write through harmony_opt.io instead:\n" + "\n".join(offenders)
+    assert not offenders, "write through harmony_opt.core.io instead:\n" + "\n".join(offenders)
 
 
 # -- every writing command, with open() refusing to write ----------------------------------------------
@@ -247,7 +247,7 @@ def no_direct_writes(monkeypatch, tmp_path):
     def guarded(file, mode="r", *a, **kw):
         if (isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+")
                 and Path(file).resolve().is_relative_to(tmp_path.resolve())):
-            raise AssertionError(f"direct write to {file} (mode {mode!r}); use harmony_opt.io")
+            raise AssertionError(f"direct write to {file} (mode {mode!r}); use harmony_opt.core.io")
         return real(file, mode, *a, **kw)
     monkeypatch.setattr(builtins, "open", guarded)
     import io as stdio

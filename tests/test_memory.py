@@ -13,15 +13,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harmony_opt.baselines import get_planner
-from harmony_opt.compiler import compile_plan
-from harmony_opt.errors import InfeasibleError, RuntimeMemoryError
-from harmony_opt.hardware import Hardware
-from harmony_opt.memory import program_memory
-from harmony_opt.models import build_model
-from harmony_opt.plan import Plan
-from harmony_opt.profiler import profile_model
-from harmony_opt.program import validate_program
+from harmony_opt.planners.baselines import get_planner
+from harmony_opt.compile.compiler import compile_plan
+from harmony_opt.core.errors import InfeasibleError, RuntimeMemoryError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.compile.program_memory import program_memory
+from harmony_opt.measure.models import build_model
+from harmony_opt.core.plan import Plan
+from harmony_opt.measure.profiler import profile_model
+from harmony_opt.compile.program import validate_program
 from harmony_opt.training import train
 from runtime.shapes import measure_layer_bytes
 from solver_models.planner import PlannerOptions, plan as cp_plan
@@ -107,7 +107,7 @@ def _mlp(*widths: int) -> torch.nn.Sequential:
 def test_a_refused_run_changes_no_weight_and_writes_no_checkpoint(tmp_path):
     """A user's own model whose first backward pack fits the cap and second does not: without the
     check before step 0, the first pack's weights would be updated before the guard stopped the run."""
-    from harmony_opt.decompose import LayeredModel
+    from harmony_opt.measure.decompose import LayeredModel
 
     torch.manual_seed(0)
     layers = [_mlp(256, 512, 256), _mlp(256, 256), _MSE()]      # 1.05 MB and 0.26 MB of weights

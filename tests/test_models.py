@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from harmony_opt.bundled import load_profile
-from harmony_opt.decompose import LayeredModel, decompose, decompose_bert, decompose_gpt2, run_layers
-from harmony_opt.errors import UsageError
-from harmony_opt.models import MODEL_NAMES, BasicBlock, build_model, build_original, layer_count
+from harmony_opt.core.bundled import load_profile
+from harmony_opt.measure.decompose import LayeredModel, decompose, decompose_bert, decompose_gpt2, run_layers
+from harmony_opt.core.errors import UsageError
+from harmony_opt.measure.models import MODEL_NAMES, BasicBlock, build_model, build_original, layer_count
 
 TINY = ("gpt2-tiny", "bert-tiny", "vgg-tiny", "resnet-tiny")
 FULL = {"gpt2-medium": "gpt2_medium", "gpt2-xl": "gpt2_xl", "bert-large": "bert_large", "bert-96": "bert_96",

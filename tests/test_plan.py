@@ -3,7 +3,7 @@ import json
 import pytest
 
 from harmony_opt import PlanError
-from harmony_opt.plan import Plan
+from harmony_opt.core.plan import Plan
 
 
 def good(**kw):

@@ -4,11 +4,11 @@ each step does what it promises."""
 import pytest
 
 from harmony_opt import InfeasibleError, get_hardware, load_profile
-from harmony_opt.baselines import plan_harmony
-from harmony_opt.compiler import compile_plan
-from harmony_opt.plan import split_microbatches
-from harmony_opt.program import validate_program
-from harmony_opt.simulator import simulate
+from harmony_opt.planners.baselines import plan_harmony
+from harmony_opt.compile.compiler import compile_plan
+from harmony_opt.core.plan import split_microbatches
+from harmony_opt.compile.program import validate_program
+from harmony_opt.sim.simulator import simulate
 from solver_models import search
 from solver_models.planner import PlannerOptions, plan
 from solver_models.tasks import Config, build_tasks, stashable_layers
@@ -44,7 +44,7 @@ def test_chains_that_keep_gradients_on_the_gpu_are_priced_within_the_hosts_memor
     before), and what it returns fits the host. (The step alone: the whole search reaches it on
     this host from about --time-limit 12, 8.194 s with gradients kept on the GPU.)"""
     import dataclasses
-    from harmony_opt.host_memory import require_fits
+    from harmony_opt.sim.host_memory import require_fits
     from solver_models import budget, state
     from solver_models.steps import first, select
     from solver_models.tasks import Config
@@ -237,8 +237,8 @@ def test_gradients_are_kept_on_the_gpu_where_that_is_faster():
     """vgg416, D=32, vDP on 2 GPUs: one 16-sample backward microbatch per GPU, so the planner's
     plan keeps each activation gradient on the GPU for the next backward pack; the report's
     objective and bound describe the model with that handoff; off on request and in Harmony's space."""
-    from harmony_opt.compiler import compile_plan
-    from harmony_opt.program import validate_program
+    from harmony_opt.compile.compiler import compile_plan
+    from harmony_opt.compile.program import validate_program
     prof, hw = load_profile("vgg416"), get_hardware("1080ti-x4").with_gpus(2)
     cap = 10 * 2**30
     kept = plan(prof, hw, 32, PlannerOptions(mode="vDP", time_limit=3), memory_cap=cap)
@@ -260,7 +260,7 @@ def test_plans_that_need_more_host_memory_than_the_server_has_are_not_returned()
     the budget, is refused with the figures."""
     import dataclasses
 
-    from harmony_opt.host_memory import host_memory
+    from harmony_opt.sim.host_memory import host_memory
     prof, cap, GiB = load_profile("gpt2_xl"), 9 * 10**9, 2**30
     roomy = get_hardware("1080ti-x4")
     small = dataclasses.replace(roomy, name="small-host", host_memory_bytes=40 * GiB, pinned_memory_bytes=26 * GiB)

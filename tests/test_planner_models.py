@@ -5,9 +5,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from harmony_opt import get_hardware, load_profile
-from harmony_opt.baselines import plan_harmony
-from harmony_opt.plan import Plan
-from harmony_opt.simulator import simulate
+from harmony_opt.planners.baselines import plan_harmony
+from harmony_opt.core.plan import Plan
+from harmony_opt.sim.simulator import simulate
 from solver_models import chain, dp, pipeline, search
 from solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts
 from solver_models.timing import evaluate, pack_starts, packs_of, phase_parts, sequence_of, sequence_of_plan
@@ -141,7 +141,7 @@ def test_model_counts_stashed_activations_in_their_phase_in_vpp():
     seq = stashed(tasks, starts[0][1])
     f, b, o = packs_of(tasks, seq)
     assert sum(not rc for rc, _ in o) >= 40
-    from harmony_opt.plan import PackOptions, Plan
+    from harmony_opt.core.plan import PackOptions, Plan
     p = Plan("test", "vPP", 2, 32, 11, 4, f, b, tasks.num_layers, allow_uneven=True, memory_cap=cap,
              options=tuple(PackOptions(rc, "gpu" if g else "cpu") for rc, g in o))
     simulated = simulate(p, prof, hw, with_timeline=False).iteration_time
@@ -188,7 +188,7 @@ def test_model_counts_the_forward_queue_of_many_small_backward_packs():
     _, seq = dp.solve_chain(tasks)
     f, b, o = packs_of(tasks, seq)
     assert len(b) > 100
-    from harmony_opt.plan import PackOptions, Plan
+    from harmony_opt.core.plan import PackOptions, Plan
     p = Plan("test", "vDP", 4, 64, 8, 16, f, b, tasks.num_layers, allow_uneven=True, memory_cap=cap, gpu_handoff=True,
              options=tuple(PackOptions(rc, "gpu" if g else "cpu") for rc, g in o))
     simulated = simulate(p, prof, hw, with_timeline=False).iteration_time
@@ -274,9 +274,9 @@ def test_model_agrees_with_the_simulator_on_harmony_plans(name, batch, mode, gpu
                                                   ("bert_96", "vDP", 2, 30)])
 def test_the_models_host_column_is_what_host_memory_counts(name, mode, gpus, batch):
     """The budget the models keep (tasks.host, summed over a plan's tasks) is the activation buffers
-    harmony_opt.host_memory counts from the task graph, to the byte: P2P or host handoffs, re-batched
+    harmony_opt.sim.host_memory counts from the task graph, to the byte: P2P or host handoffs, re-batched
     criterion inputs, uneven vDP shares, the data."""
-    from harmony_opt.host_memory import host_memory
+    from harmony_opt.sim.host_memory import host_memory
     prof, hw = load_profile(name), get_hardware("1080ti-x4").with_gpus(gpus)
     p = plan_harmony(prof, hw, batch, 9 * 10**9, mode=mode, gpus=gpus)
     cfg = Config.of(p)

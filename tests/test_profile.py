@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from harmony_opt import ProfileError, bundled_names, load_profile
-from harmony_opt.memory import max_pack_end
-from harmony_opt.profile import Profile
+from harmony_opt.core.memory import max_pack_end
+from harmony_opt.core.profile import Profile
 
 from conftest import synthetic_profile
 

@@ -8,13 +8,13 @@ from torch import nn
 
 from harmony_opt.cli import main
 from harmony_opt.commands.measure import parse_microbatches
-from harmony_opt.decompose import LayeredModel
-from harmony_opt.errors import InfeasibleError, UsageError
-from harmony_opt.hardware import Hardware
-from harmony_opt.models import build_model
-from harmony_opt.probe import probe_hardware
-from harmony_opt.profile import Profile
-from harmony_opt.profiler import cpu_update_time, profile_model, saved_bytes
+from harmony_opt.measure.decompose import LayeredModel
+from harmony_opt.core.errors import InfeasibleError, UsageError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.measure.models import build_model
+from harmony_opt.measure.probe import probe_hardware
+from harmony_opt.core.profile import Profile
+from harmony_opt.measure.profiler import cpu_update_time, profile_model, saved_bytes
 
 FAST = dict(repeats=1, warmup=0, progress=False)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -193,7 +193,7 @@ def test_counting_saved_bytes_keeps_no_graph_alive():
     layer's graph (on a GPU, VGG-416's profile ran out of 80 GB by layer 25)."""
     import gc
 
-    from harmony_opt.profiler import saved_bytes
+    from harmony_opt.measure.profiler import saved_bytes
 
     layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     x = torch.randn(4, 8)
@@ -212,13 +212,13 @@ def test_counting_saved_bytes_keeps_no_graph_alive():
 def test_saved_bytes_counts_every_saved_storage_once():
     """The count equals what a real graph keeps: a GPT-2 block's many intermediates, freed as the
     forward goes unless held, must not share an address and be counted once."""
-    from harmony_opt.models import build_model
-    from harmony_opt.profiler import saved_bytes
+    from harmony_opt.measure.models import build_model
+    from harmony_opt.measure.profiler import saved_bytes
 
     model = build_model("gpt2-tiny")
     block = model.layers[1]
     x = model.layers[0](model.make_batch(4, torch.Generator().manual_seed(0))[0])
-    from harmony_opt.profiler import saved_counts
+    from harmony_opt.measure.profiler import saved_counts
 
     resident = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
     kept, copies = {}, [0]

@@ -7,10 +7,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harmony_opt import baselines, bundled
+from harmony_opt.core import bundled
+from harmony_opt.planners import baselines
 from harmony_opt import reproduce as R
-from harmony_opt.hardware import get_hardware
-from harmony_opt.synthetic import GPT2_SCALING, GPT2_XL, GPT2Shape, gpt2_profile
+from harmony_opt.core.hardware import get_hardware
+from harmony_opt.measure.synthetic import GPT2_SCALING, GPT2_XL, GPT2Shape, gpt2_profile
 
 from conftest import synthetic_profile
 

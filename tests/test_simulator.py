@@ -3,7 +3,7 @@
 The property tests draw random valid plans (both modes, 1-3 GPUs, prefetch on or off,
 uneven microbatches, per-pack recompute/stash and CPU/GPU optimizer, naive swapping,
 with and without a GPU link) and check the simulated timeline against the plan's task
-graph (harmony_opt.taskgraph): every edge's data arrives before its consumer computes,
+graph (harmony_opt.sim.taskgraph): every edge's data arrives before its consumer computes,
 no stream runs two events at once, memory stays under the cap, and each link carries
 exactly the bytes the graph's flows imply, tensor kind by tensor kind.
 """
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from harmony_opt import PlanError, get_hardware, load_profile
-from harmony_opt.plan import ORDERED_STREAMS, PackOptions, Plan, data_shares
-from harmony_opt.simulator import Expansion, check_memory, count_events, simulate, tasks_of
-from harmony_opt.taskgraph import SOURCE_TENSOR, Medium, TaskKind, Tensor, link_bytes, task_graph
+from harmony_opt.core.plan import ORDERED_STREAMS, PackOptions, Plan, data_shares
+from harmony_opt.sim.simulator import Expansion, check_memory, count_events, simulate, tasks_of
+from harmony_opt.sim.taskgraph import SOURCE_TENSOR, Medium, TaskKind, Tensor, link_bytes, task_graph
 
 from conftest import synthetic_profile
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from harmony_opt import PlanError, get_hardware
-from harmony_opt.plan import PackOptions, Plan
-from harmony_opt.taskgraph import (Task, TaskKind, Tensor, compose, format_task_table, link_bytes, placement,
+from harmony_opt.core.plan import PackOptions, Plan
+from harmony_opt.sim.taskgraph import (Task, TaskKind, Tensor, compose, format_task_table, link_bytes, placement,
                                    rebatch_needs, stash_pieces, task_graph, validate)
 
 from conftest import synthetic_profile

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from harmony_opt.cli import main
-from harmony_opt.compiler import compile_plan
-from harmony_opt.decompose import ClassificationLoss, LayeredModel
-from harmony_opt.errors import DataError, PlanError, ProgramError, UsageError
-from harmony_opt.program import Kind
-from harmony_opt.plan import PackOptions, Plan
+from harmony_opt.compile.compiler import compile_plan
+from harmony_opt.measure.decompose import ClassificationLoss, LayeredModel
+from harmony_opt.core.errors import DataError, PlanError, ProgramError, UsageError
+from harmony_opt.compile.program import Kind
+from harmony_opt.core.plan import PackOptions, Plan
 from harmony_opt.training import batch_seed, train
 
 

@@ -1,8 +1,8 @@
 """The GPU experiment (``python -m experiments.gpu``; the stages in ``__main__``)."""
 from __future__ import annotations
 
-from harmony_opt.errors import UsageError
-from harmony_opt.io import read_json
+from harmony_opt.core.errors import UsageError
+from harmony_opt.core.io import read_json
 
 
 def read_result(path):

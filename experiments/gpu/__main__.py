@@ -40,9 +40,9 @@ import sys
 import time
 from pathlib import Path
 
-from harmony_opt.errors import HarmonyOptError, UsageError
-from harmony_opt.io import atomic_write_json
-from harmony_opt.units import parse_bytes
+from harmony_opt.core.errors import HarmonyOptError, UsageError
+from harmony_opt.core.io import atomic_write_json
+from harmony_opt.core.units import parse_bytes
 
 from . import read_result
 
@@ -93,7 +93,7 @@ class Paths:
 # -- stages ----------------------------------------------------------------------------------------
 
 def stage_probe(P: Paths, device: str) -> None:
-    from harmony_opt.probe import probe_hardware
+    from harmony_opt.measure.probe import probe_hardware
 
     if P.hardware.exists():
         return log(f"probe: {P.hardware} exists")
@@ -104,8 +104,8 @@ def stage_probe(P: Paths, device: str) -> None:
 
 
 def stage_profile(P: Paths, device: str, workloads, repeats: int) -> None:
-    from harmony_opt.models import build_model
-    from harmony_opt.profiler import profile_model
+    from harmony_opt.measure.models import build_model
+    from harmony_opt.measure.profiler import profile_model
 
     for w in workloads:
         out = P.profile(w)
@@ -131,7 +131,7 @@ def footprint(profile, batch: int) -> int:
 
 def cases(P: Paths, workloads, caps):
     """(workload, cap, batch or None, footprint at that batch) for every model and cap."""
-    from harmony_opt.profile import Profile
+    from harmony_opt.core.profile import Profile
 
     for w in workloads:
         prof = Profile.load(P.profile(w))
@@ -143,10 +143,10 @@ def cases(P: Paths, workloads, caps):
 
 def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
     from .trial import busy_by_stream
-    from harmony_opt.baselines import get_planner, plan_naive_swap
-    from harmony_opt.bound import lower_bound
-    from harmony_opt.hardware import get_hardware
-    from harmony_opt.simulator import simulate
+    from harmony_opt.planners.baselines import get_planner, plan_naive_swap
+    from harmony_opt.sim.bound import lower_bound
+    from harmony_opt.core.hardware import get_hardware
+    from harmony_opt.sim.simulator import simulate
     from solver_models.planner import PlannerOptions, plan
 
     for w, cap, batch, foot, prof in cases(P, workloads, caps):
@@ -271,10 +271,10 @@ def stage_handoff(P: Paths, workloads, caps, device: str, steps: int, warmup: in
     memory, alternately (``rounds`` times each, so that drift hits both; the report takes the median
     over rounds, which leaves out the first run's cold caches), against the simulator's figures for
     both. Cases whose plan has no such pair of packs are recorded as such."""
-    from harmony_opt.compiler import compile_plan
-    from harmony_opt.hardware import get_hardware
-    from harmony_opt.plan import Plan
-    from harmony_opt.simulator import simulate
+    from harmony_opt.compile.compiler import compile_plan
+    from harmony_opt.core.hardware import get_hardware
+    from harmony_opt.core.plan import Plan
+    from harmony_opt.sim.simulator import simulate
 
     for w, cap, batch, _, prof in cases(P, workloads, caps):
         d = P.case(w, cap)

@@ -13,8 +13,8 @@ import functools
 
 import torch
 
-from harmony_opt.decompose import run_layers
-from harmony_opt.plan import PackOptions, Plan
+from harmony_opt.measure.decompose import run_layers
+from harmony_opt.core.plan import PackOptions, Plan
 from harmony_opt.training import batch_seed, train
 
 STEPS = 10
@@ -30,7 +30,7 @@ def _plan(mode, batch, uf, ub, fwd, bwd, R, options=(), gpu_handoff=False) -> Pl
 
 def cases(quick: bool):
     """(name, model name, overrides, plan, optimizer factory); packs cut at fixed layers, the last to the loss."""
-    from harmony_opt.models import layer_count
+    from harmony_opt.measure.models import layer_count
     from runtime.optim import make_factory
 
     gpt = ("gpt2-tiny", {}) if quick else ("gpt2-medium", {"n_layer": 4, "sequence_length": 128, "dropout": 0.0})
@@ -80,7 +80,7 @@ def _max_error(got, want) -> float:
 
 def check_all(device: str, quick: bool, done=()) -> list[dict]:
     """One row per case not named in ``done``."""
-    from harmony_opt.models import build_model
+    from harmony_opt.measure.models import build_model
 
     dev = torch.device(device)
     if dev.type == "cuda":

@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 
-from harmony_opt.errors import HarmonyOptError, UsageError
-from harmony_opt.io import read_json
+from harmony_opt.core.errors import HarmonyOptError, UsageError
+from harmony_opt.core.io import read_json
 
 
 def first_rec_excess(trace: dict) -> dict:

@@ -56,7 +56,7 @@ elif [ "$check" = launch ]; then
     cuda_tests
     # the host time of every recompute's handler (launching its kernels), written at exit to $HOST_TIMES
     timed="import atexit, json, os, time, runtime.executor as X
-from harmony_opt.program import Kind
+from harmony_opt.compile.program import Kind
 rows, rec = [], X._HANDLERS[Kind.REC]
 def timed_rec(self, ins, e):
     t = time.perf_counter(); made = rec(self, ins, e)
@@ -73,7 +73,7 @@ elif [ "$check" = hostprof ]; then
     # the measured steps' recompute handlers under cProfile, first microbatches apart from later ones; at exit
     # $HOST_PROFILE gets [function, ms per first call, ms per later call] by the difference, largest first
     profiled="import atexit, cProfile, json, os, pstats, runtime.executor as X
-from harmony_opt.program import Kind
+from harmony_opt.compile.program import Kind
 rec, profs, calls = X._HANDLERS[Kind.REC], {True: cProfile.Profile(), False: cProfile.Profile()}, {True: 0, False: 0}
 def profiled_rec(self, ins, e):
     if self.step < 2:
@@ -102,7 +102,7 @@ for name, a, b in d['rows'][:12]:
 elif [ "$check" = gate ]; then
     # a CPU step submitted after the k-th first recompute waits (on the worker) for the (k+1)-th to be issued
     gated="import threading, runtime.executor as X
-from harmony_opt.program import Kind, Stream
+from harmony_opt.compile.program import Kind, Stream
 rec, update, cond, issued = X._HANDLERS[Kind.REC], X._HANDLERS[Kind.UPD], threading.Condition(), [0]
 def counted_rec(self, ins, e):
     made = rec(self, ins, e)

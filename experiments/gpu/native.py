@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from harmony_opt.decompose import run_layers
+from harmony_opt.measure.decompose import run_layers
 from runtime.optim import make_factory
 
 

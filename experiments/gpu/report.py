@@ -6,7 +6,7 @@ import io
 
 import pandas as pd
 
-from harmony_opt.io import atomic_write_bytes, atomic_write_text
+from harmony_opt.core.io import atomic_write_bytes, atomic_write_text
 from harmony_opt.reproduce import markdown_table
 
 from . import read_result
@@ -164,10 +164,10 @@ def kinds_table(P, workloads, caps) -> pd.DataFrame:
     """Per trained run with a trace: seconds of each kind of work in the measured last step and in
     the simulator's iteration of the same plan (trial.busy_by_kind), so that where the two
     disagree shows by kind, not only by stream."""
-    from harmony_opt.hardware import get_hardware
-    from harmony_opt.plan import Plan
-    from harmony_opt.profile import Profile
-    from harmony_opt.simulator import simulate
+    from harmony_opt.core.hardware import get_hardware
+    from harmony_opt.core.plan import Plan
+    from harmony_opt.core.profile import Profile
+    from harmony_opt.sim.simulator import simulate
 
     from .trial import busy_by_kind
     rows = []

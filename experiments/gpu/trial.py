@@ -25,7 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
-from harmony_opt.io import atomic_write_bytes, atomic_write_json
+from harmony_opt.core.io import atomic_write_bytes, atomic_write_json
 
 
 def _tensors(layer):
@@ -35,7 +35,7 @@ def _tensors(layer):
 def busy_by_stream(timeline) -> dict[str, float]:
     """Seconds each stream is busy in a Timeline (rank 0), the host link's two directions summed over
     their streams: what the simulator and the measurement are compared by."""
-    from harmony_opt.timeline import D2H_STREAMS, H2D_STREAMS
+    from harmony_opt.sim.timeline import D2H_STREAMS, H2D_STREAMS
 
     def busy(streams):
         return float(sum(timeline.busy_time(s).get(0, 0.0) for s in streams))
@@ -73,7 +73,7 @@ def build_cached(name: str, overrides: dict, cache: Path | None = None):
     on the CPU, loading its 6 GB back a few, and every method's run starts from the same weights."""
     import torch
 
-    from harmony_opt.models import build_model
+    from harmony_opt.measure.models import build_model
 
     key = hashlib.sha256(json.dumps([name, overrides], sort_keys=True).encode()).hexdigest()[:16]
     path = (cache or Path(tempfile.gettempdir()) / "harmony-opt-models") / f"{name}-{key}.pt"
@@ -120,7 +120,7 @@ def run(job: dict) -> dict:
         times, losses = res["times"], res["losses"]
         h2d, d2h = res["bytes_h2d"] / len(times), res["bytes_d2h"] / len(times)
     else:
-        from harmony_opt.plan import Plan
+        from harmony_opt.core.plan import Plan
         from harmony_opt.training import train
 
         plan = Plan.load(job["plan"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import PlanError, ProgramError, UsageError
+from ..core.errors import PlanError, ProgramError, UsageError
 from .common import plan_profile
 
 
@@ -42,23 +42,23 @@ def _kind(path: Path) -> str:
 
 
 def _check(args):
-    from ..units import parse_bytes
+    from ..core.units import parse_bytes
     path = Path(args.path)
     if not path.exists():
         raise UsageError(f"{path} does not exist")
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else None
     kind = _kind(path)
     if kind == "profile":
-        from ..profile import Profile
+        from ..core.profile import Profile
         p = Profile.load(path)
         print(f"ok: profile {p.name}, {p.num_layers} layers, FWD sizes {p.sizes('FWD').tolist()}, "
               f"BWD sizes {p.sizes('BWD').tolist()}")
     elif kind == "hardware":
-        from ..hardware import Hardware
+        from ..core.hardware import Hardware
         hw = Hardware.load(path)
         print(f"ok: hardware {hw.name}, {hw.gpus} GPU(s), {hw.gpu_memory_bytes} bytes each")
     elif kind == "program":
-        from ..program import Program, validate_program
+        from ..compile.program import Program, validate_program
         prog = Program.load(path)
         try:
             stats = validate_program(prog, cap_bytes=cap)
@@ -70,9 +70,9 @@ def _check(args):
 
 
 def _check_plan(path: Path, args, cap):
-    from ..hardware import Hardware, get_hardware
-    from ..plan import Plan
-    from ..simulator import check_memory
+    from ..core.hardware import Hardware, get_hardware
+    from ..core.plan import Plan
+    from ..sim.simulator import check_memory
     plan = Plan.load(path)
     pname = args.profile or plan.profile.get("name")
     hw = get_hardware(args.hardware) if args.hardware else (

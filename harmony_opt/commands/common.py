@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import OutputError, PlanError, ProfileError, UsageError
-from ..io import check_writable
+from ..core.errors import OutputError, PlanError, ProfileError, UsageError
+from ..core.io import check_writable
 
 
 def plan_profile(plan, plan_path, override: str | None):
@@ -14,7 +14,7 @@ def plan_profile(plan, plan_path, override: str | None):
     not a bundled profile; refused, in one line, when the folder is gone or its profile has changed
     since), else the bundled profile the plan names. A plan written before plans recorded the folder
     names only the model, so say to pass --profile when the name is not a bundled profile."""
-    from ..bundled import bundled_names, load_profile
+    from ..core.bundled import bundled_names, load_profile
     if override:
         return load_profile(override)
     recorded = plan.profile.get("path")
@@ -34,7 +34,7 @@ def plan_profile(plan, plan_path, override: str | None):
 
 def _recorded_profile(plan, plan_path, recorded):
     """The profile in the folder a plan records, if it is still the one the plan was made from."""
-    from ..profile import Profile
+    from ..core.profile import Profile
     if not isinstance(recorded, str) or not recorded:
         raise PlanError(f"{plan_path}: field profile.path must be a folder's path, got {recorded!r}; "
                         f"pass --profile with the profile folder the plan was made from")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import re
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .common import writable_file, writable_folder, written
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?::(\d+))?)?$")
@@ -42,8 +42,8 @@ def register(sub):
 
 
 def _profile(args):
-    from ..models import build_model, model_spec
-    from ..profiler import check_sizes, profile_model, resolve_device
+    from ..measure.models import build_model, model_spec
+    from ..measure.profiler import check_sizes, profile_model, resolve_device
 
     device = resolve_device(args.device or _default_device())
     sizes = check_sizes(parse_microbatches(args.microbatch))
@@ -61,8 +61,8 @@ def _profile(args):
 
 
 def _probe(args):
-    from ..probe import DEFAULT_SIZES, probe_hardware
-    from ..units import fmt_bytes, parse_bytes
+    from ..measure.probe import DEFAULT_SIZES, probe_hardware
+    from ..core.units import fmt_bytes, parse_bytes
 
     path = writable_file(args.output)
     sizes = DEFAULT_SIZES if args.sizes is None else tuple(

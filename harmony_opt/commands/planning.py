@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..bundled import load_profile
-from ..errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
-from ..hardware import get_hardware, usable_cores
-from ..host_memory import host_memory
-from ..plan import Plan
-from ..units import fmt_bytes
+from ..core.bundled import load_profile
+from ..core.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
+from ..core.hardware import get_hardware, usable_cores
+from ..core.plan import Plan
+from ..core.units import fmt_bytes
+from ..sim.host_memory import host_memory
 from .common import plan_profile, writable_file
 
 
@@ -113,7 +113,7 @@ def _show(df: pd.DataFrame, width: int = 40) -> str:
 def _program_line(plan: Plan, profile) -> str:
     """The peak live device bytes of the plan's compiled program (what the runtime holds and its
     memory guard counts), beside the cap; a warning where it would not fit."""
-    from ..memory import program_memory
+    from ..compile.program_memory import program_memory
     mem = program_memory(plan, profile)
     line = ("peak device memory at run time (the compiled program): "
             + ", ".join(f"GPU{r} {fmt_bytes(b)}" for r, b in enumerate(mem.peaks)) + f" of {fmt_bytes(mem.cap)}")
@@ -246,7 +246,7 @@ def _plan(args):
 
 
 def _baseline(args):
-    from ..baselines import get_planner
+    from ..planners.baselines import get_planner
     profile, hw = _inputs(args)
     _outputs(args)
     planner = get_planner(args.planner)
@@ -263,15 +263,15 @@ def _baseline(args):
 
 
 def _simulate(args):
-    from ..baselines import score  # noqa: F401  (keeps planners importable)
-    from ..simulator import simulate
+    from ..planners.baselines import score  # noqa: F401  (keeps planners importable)
+    from ..sim.simulator import simulate
     plan = Plan.load(args.plan)
     profile = plan_profile(plan, args.plan, args.profile)
     _outputs(args)
     if args.hardware:
         hw = get_hardware(args.hardware)
     elif plan.hardware:
-        from ..hardware import Hardware
+        from ..core.hardware import Hardware
         hw = Hardware.from_dict(plan.hardware, f"{args.plan}: hardware")
     else:
         raise UsageError(f"{args.plan}: the plan names no hardware; pass --hardware")
@@ -311,9 +311,9 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
     sweeps modes runs the mode-independent baselines once."""
     from solver_models.planner import PlannerOptions, plan as cp_plan
 
-    from ..baselines import PLANNERS, get_planner
-    from ..bound import lower_bound
-    from ..simulator import simulate
+    from ..planners.baselines import PLANNERS, get_planner
+    from ..sim.bound import lower_bound
+    from ..sim.simulator import simulate
     cap = hw.gpu_memory_bytes
     rows, plans, errors = [], {}, {}
     bound = lower_bound(profile, hw, batch, cap)["bound_s"]
@@ -370,7 +370,7 @@ def _compare(args):
     if not plans:   # every planner refused: an infeasible request, worded by the first refusal
         raise InfeasibleError(f"no planner found a plan; {next(iter(df.attrs['errors'].values()))}")
     if args.output:
-        from ..io import atomic_write_text
+        from ..core.io import atomic_write_text
         atomic_write_text(args.output, df.to_csv(index=False))
         print(f"wrote {args.output}")
     if args.plot and plans:

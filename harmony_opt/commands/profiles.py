@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..bundled import bundled_names, load_profile
+from ..core.bundled import bundled_names, load_profile
 from ..report import layer_table, plot_profile, profiles_table
 
 

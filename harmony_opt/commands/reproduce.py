@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 EXPERIMENTS = ("table1", "compare", "scaling", "servers", "all")
 #: the planner's time limit per search (work seconds, docs/planner.md section 4) without --time-limit
@@ -83,7 +83,7 @@ def _reproduce(args):
     total = sum(timings.values())
     print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + f"; total {total:.0f} s")
     if args.experiment == "all":
-        from ..io import atomic_write_text
+        from ..core.io import atomic_write_text
         print(f"wrote {atomic_write_text(out / 'run_time.md', run_time_report(timings, load_before, limit, args.jobs))}")
     return 0
 

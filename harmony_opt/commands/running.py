@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import PlanError, UsageError
-from ..plan import Plan
-from ..units import fmt_bytes, parse_bytes
+from ..core.errors import PlanError, UsageError
+from ..core.plan import Plan
+from ..core.units import fmt_bytes, parse_bytes
 from .common import writable_file
 from .measure import add_overrides, parse_overrides
 
@@ -49,15 +49,15 @@ def register(sub):
 
 def _model(name: str, items: list[str]):
     """The built-in model ``name`` with the ``--set`` overrides ``items`` (as `profile --set` reads them)."""
-    from ..models import build_model, model_spec
+    from ..measure.models import build_model, model_spec
     overrides = parse_overrides(items)
     model_spec(name, **overrides)   # name and options checked before anything is created
     return build_model(name, **overrides)
 
 
 def _compile(args):
-    from ..compiler import compile_plan
-    from ..program import validate_program
+    from ..compile.compiler import compile_plan
+    from ..compile.program import validate_program
 
     if args.overrides and not args.model:
         raise UsageError("--set changes a built-in model's spec: give it with --model")
@@ -91,7 +91,7 @@ def _compile(args):
 
 
 def _run(args):
-    from ..program import Program
+    from ..compile.program import Program
     from ..training import train
 
     if args.steps < 0:

@@ -42,7 +42,7 @@ not matter).
 """
 from __future__ import annotations
 
-from ..kinds import Medium, TaskKind, Tensor
+from ..core.kinds import Medium, TaskKind, Tensor
 from .events import (EventKind, Stream, expand_events, merge_rendezvous, run_events, simulate_harmony,
                      task_memory)
 from .graph import Port, Rebatch, compose_task_graph, rebatch

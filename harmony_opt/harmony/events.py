@@ -8,12 +8,12 @@ from typing import Iterable, NamedTuple, Sequence
 
 import networkx as nx
 
-from ..bundled import load_profile
-from ..errors import PlanError, UsageError
-from ..kinds import Medium, TaskKind, Tensor
-from ..plan import Plan
-from ..profile import Profile
-from ..timeline import Timeline
+from ..core.bundled import load_profile
+from ..core.errors import PlanError, UsageError
+from ..core.kinds import Medium, TaskKind, Tensor
+from ..core.plan import Plan
+from ..core.profile import Profile
+from ..sim.timeline import Timeline
 from .graph import _port, compose_task_graph, rebatch
 
 

@@ -7,8 +7,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import networkx as nx
 
-from ..errors import PlanError
-from ..kinds import Medium, TaskKind, Tensor
+from ..core.errors import PlanError
+from ..core.kinds import Medium, TaskKind, Tensor
 from .packing import Packs, data_shares, split_microbatches
 
 

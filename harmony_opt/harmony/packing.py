@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 Pack = tuple[int, int]
 Packs = tuple[Pack, ...]

@@ -8,10 +8,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..bundled import load_profile, profile_ident
-from ..errors import InfeasibleError, UsageError
-from ..plan import Plan
-from ..profile import Profile
+from ..core.bundled import load_profile, profile_ident
+from ..core.errors import InfeasibleError, UsageError
+from ..core.plan import Plan
+from ..core.profile import Profile
 from .events import GiB, _sim_settings, _simulate
 from .graph import compose_task_graph
 from .packing import PACKING_SETS, Packs, candidate_sizes, data_shares, get_packer, packing_methods

@@ -9,9 +9,9 @@ import math
 
 import numpy as np
 
-from harmony_opt.baselines import plan_harmony
-from harmony_opt.errors import HarmonyOptError
-from harmony_opt.plan import Plan
+from harmony_opt.planners.baselines import plan_harmony
+from harmony_opt.core.errors import HarmonyOptError
+from harmony_opt.core.plan import Plan
 
 from .. import dp, pool, search
 from ..budget import Budget, NeedsBudget, Tally

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 
-from harmony_opt.compiler import compile_plan
-from harmony_opt.errors import PlanError
-from harmony_opt.plan import Plan
+from harmony_opt.compile.compiler import compile_plan
+from harmony_opt.core.errors import PlanError
+from harmony_opt.core.plan import Plan
 
 from ..budget import TIMELINE_REL_GAP, Budget, timeline_slowness
 from ..event_schedule import solve_timeline

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from harmony_opt.plan import Plan
+from harmony_opt.core.plan import Plan
 
 from .. import dp, pool, search
 from ..budget import HANDOFF_PRICES, SIMULATE_WITHIN, Budget

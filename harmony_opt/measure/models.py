@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..core.errors import UsageError
 from .decompose import LayeredModel, decompose, decompose_bert, decompose_gpt2
-from .errors import UsageError
 
 # -- specifications ----------------------------------------------------------------------------
 

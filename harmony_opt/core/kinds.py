@@ -1,8 +1,8 @@
 """The one vocabulary of tasks, tensors and media.
 
-The task graph (:mod:`harmony_opt.taskgraph`), the re-implementation of Harmony's
+The task graph (:mod:`harmony_opt.sim.taskgraph`), the re-implementation of Harmony's
 scheduler (:mod:`harmony_opt.harmony`) and the compiled program
-(:mod:`harmony_opt.program`, :mod:`harmony_opt.compiler`) name the same things: a
+(:mod:`harmony_opt.compile.program`, :mod:`harmony_opt.compile.compiler`) name the same things: a
 forward, backward or update task, the weights or the stashed input it moves, the medium
 it moves by. They share these enums, so a tensor or a medium is one value everywhere.
 

@@ -37,7 +37,7 @@ The lowering is a chain of pure passes:
    its bytes fit under the cap (the simulator's rule: a swap-in starts when there is room), at
    the latest just before what reads it, so a prefetch never pushes the rank over its cap.
 6. :func:`add_waits`: ids, and every instruction's ``waits_on`` derived from what it
-   reads and writes (:func:`harmony_opt.program.effects`), leaving out what the order
+   reads and writes (:func:`harmony_opt.compile.program.effects`), leaving out what the order
    of its own stream already implies.
 7. :func:`add_bytes`: byte sizes, when layer sizes are known.
 """
@@ -49,9 +49,9 @@ from collections import defaultdict
 
 import networkx as nx
 
-from .errors import PlanError
-from .kinds import TaskKind, Tensor
-from .plan import Plan, in_order, transfer_key
+from ..core.errors import PlanError
+from ..core.kinds import TaskKind, Tensor
+from ..core.plan import Plan, in_order, transfer_key
 from .program import CHANNELS, Effects, Instr, Kind, LayerBytes, Program, Stream, effects, plan_identity
 
 I, O, S, R, F, C, B, U, A, D = (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV, Kind.FWD, Kind.REC, Kind.BWD,
@@ -636,7 +636,7 @@ def _check_sweeps(plan: Plan) -> None:
 def issue_order(plan: Plan, layer_bytes: LayerBytes | None = None,
                 memory_cap: int | None = None) -> tuple[list[list[Instr]], tuple[str, ...]]:
     """Passes 1-5: every rank's instructions in issue order (no ids, no waits), and the notes. What
-    :func:`harmony_opt.memory.program_memory` replays: the memory of a program is settled here."""
+    :func:`harmony_opt.compile.program_memory.program_memory` replays: the memory of a program is settled here."""
     if layer_bytes is not None and layer_bytes.num_layers != plan.num_layers:
         raise PlanError(f"layer bytes describe {layer_bytes.num_layers} layers but the plan has {plan.num_layers}")
     _check_sweeps(plan)

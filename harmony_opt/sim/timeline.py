@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..core.io import atomic_write_bytes, atomic_write_text
+
 EVENT_COLUMNS = ["rank", "stream", "kind", "task", "pack", "microbatch", "start", "end", "bytes"]
 
 #: Streams that move bytes over the host link, by direction.
@@ -86,7 +88,6 @@ class Timeline:
     # -- exports ----------------------------------------------------------------------------
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Chrome/Perfetto trace: one process per rank, one thread per stream, times in us."""
-        from .io import atomic_write_text
         streams = sorted(self.events.stream.unique()) if len(self.events) else []
         tid = {s: i for i, s in enumerate(streams)}
         trace = []
@@ -113,7 +114,6 @@ class Timeline:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        from .io import atomic_write_bytes
         ev = self.events
         lanes = sorted({(int(r), s) for r, s in zip(ev["rank"], ev["stream"])}, key=lambda x: (x[0], x[1]))
         colors = {"compute": "tab:blue", "FWD": "tab:blue", "REC": "tab:cyan", "BWD": "tab:green",

@@ -1,6 +1,6 @@
 """The Program: per GPU rank, the ordered instruction list the runtime executes.
 
-A Program is what :func:`harmony_opt.compiler.compile_plan` lowers a Plan into and what
+A Program is what :func:`harmony_opt.compile.compiler.compile_plan` lowers a Plan into and what
 ``runtime.Executor`` runs, one iteration at a time. Each instruction names its kind, the
 layers it touches, its microbatch (index, first sample, size), the tensor it moves or
 makes, the stream it runs on, its bytes, the instructions it waits on (ids on the same
@@ -21,7 +21,7 @@ derives ``waits_on`` from it, the validator checks programs against it and the
 executor keeps its device table by it, so the three cannot drift apart.
 
 :func:`validate_program` replays a Program without running it and raises
-:class:`~harmony_opt.errors.ProgramError` naming the instruction (and printing the
+:class:`~harmony_opt.core.errors.ProgramError` naming the instruction (and printing the
 schedule around it) when a tensor is used before it arrives, a send has no receive,
 the ranks deadlock (under both the GPU stream semantics and the in-order CPU
 semantics), or, with byte sizes known, memory would exceed a cap.
@@ -37,8 +37,9 @@ from collections import Counter, defaultdict
 from enum import Enum
 from pathlib import Path
 
-from .errors import ProgramError
-from .kinds import Tensor
+from ..core.errors import ProgramError
+from ..core.io import atomic_write_text, read_json
+from ..core.kinds import Tensor
 
 PROGRAM_VERSION = 1
 
@@ -432,7 +433,6 @@ class Program:
         return json.dumps(self.to_dict(), indent=1) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        from .io import atomic_write_text
         return atomic_write_text(path, self.to_json())
 
     @classmethod
@@ -457,7 +457,6 @@ class Program:
 
     @classmethod
     def load(cls, path: str | Path) -> "Program":
-        from .io import read_json
         path = Path(path)
         d = read_json(path, "program file", ProgramError, "give the program JSON that `harmony-opt compile` wrote")
         return cls.from_dict(d, str(path))

@@ -20,11 +20,12 @@ import functools
 
 import numpy as np
 
-from .errors import InfeasibleError
-from .hardware import Hardware
-from .plan import Plan
-from .profile import Profile
-from .units import fmt_bytes
+from ..core.errors import InfeasibleError
+from ..core.hardware import Hardware
+from ..core.kinds import Medium, Tensor
+from ..core.plan import Plan
+from ..core.profile import Profile
+from ..core.units import fmt_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,6 @@ def model_host_memory(profile: Profile) -> HostMemory:
 def host_memory(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory:
     """What ``plan`` keeps in host memory: the model's share and one buffer per activation that
     leaves a GPU for host memory (the bytes of all its microbatches, on every replica), plus the data."""
-    from .kinds import Medium, Tensor
     from .taskgraph import D2H_MEDIA, compose
 
     acts = 0

@@ -19,11 +19,11 @@ build them from layer shapes and a cost model fitted to what was measured:
   in Large Transformer Models", 2022), for the others the bytes of their input and output;
 * the CPU optimizer step time is linear in parameter bytes, at the reference's rate.
 
-The result is a normal :class:`~harmony_opt.profile.Profile` (same tables, same
+The result is a normal :class:`~harmony_opt.core.profile.Profile` (same tables, same
 microbatch sizes as the reference), with ``meta["synthetic"]`` saying how it was made.
 Usage::
 
-    from harmony_opt.synthetic import GPT2_SCALING, gpt2_profile
+    from harmony_opt.measure.synthetic import GPT2_SCALING, gpt2_profile
     prof = gpt2_profile(GPT2_SCALING["gpt2_100b"])     # 504 layers
 """
 from __future__ import annotations
@@ -33,8 +33,9 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
-from .errors import ProfileError
-from .profile import Profile
+from ..core.bundled import load_profile
+from ..core.errors import ProfileError
+from ..core.profile import Profile
 
 FP32 = 4        # bytes per parameter and activation element
 TOKEN_ID = 8    # bytes per input token id (int64)
@@ -107,7 +108,6 @@ def _reference_rows(ref: Profile, shape: GPT2Shape) -> dict[str, list[int]]:
 def gpt2_profile(shape: GPT2Shape, reference: Profile | str = "gpt2_xl", reference_shape: GPT2Shape = GPT2_XL,
                  name: str | None = None) -> Profile:
     """A Profile of ``shape``, scaled from the measured ``reference`` (module docstring)."""
-    from .bundled import load_profile
     ref = load_profile(reference)
     rows = _reference_rows(ref, reference_shape)
     kinds = shape.kinds()
@@ -148,6 +148,6 @@ def gpt2_profile(shape: GPT2Shape, reference: Profile | str = "gpt2_xl", referen
                                           f"n_head {shape.n_head}, seq {shape.seq}: "
                                           f"{shape.parameters() / 1e9:.1f}B parameters",
             "dtype": "float32", "optimizer": "Adam", "sequence_length": shape.seq,
-            "synthetic": {"builder": "harmony_opt.synthetic.gpt2_profile", "calibrated_on": ref.name,
+            "synthetic": {"builder": "harmony_opt.measure.synthetic.gpt2_profile", "calibrated_on": ref.name,
                           "shape": dataclasses.asdict(shape)}}
     return Profile(name, layers, micro, meta, source=f"<synthetic {name}>")

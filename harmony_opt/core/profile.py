@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import ProfileError
+from .io import atomic_write_bytes, atomic_write_text, read_json
 
 PHASES = ("FWD", "BWD")
 
@@ -298,7 +299,6 @@ class Profile:
         meta_path = path / "meta.json"
         meta = {}
         if meta_path.exists():
-            from .io import read_json
             meta = read_json(meta_path, "profile metadata", ProfileError, "fix or delete meta.json")
             if not isinstance(meta, dict):
                 raise ProfileError(f"{meta_path}: must hold a JSON object")
@@ -307,7 +307,6 @@ class Profile:
 
     def save(self, path: str | Path, fmt: str = "csv") -> Path:
         """Write the profile folder atomically (each file through a temporary and a rename)."""
-        from .io import atomic_write_text, atomic_write_bytes
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         if fmt == "csv":

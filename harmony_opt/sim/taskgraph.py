@@ -44,11 +44,11 @@ from typing import NamedTuple
 import networkx as nx
 import numpy as np
 
-from .errors import PlanError
-from .hardware import Hardware
-from .kinds import Medium, TaskKind, Tensor
-from .plan import Plan, data_shares, split_microbatches
-from .profile import Profile
+from ..core.errors import PlanError
+from ..core.hardware import Hardware
+from ..core.kinds import Medium, TaskKind, Tensor
+from ..core.plan import Plan, data_shares, split_microbatches
+from ..core.profile import Profile
 
 
 #: Media that cross the host link when a GPU task reads (host -> GPU) or writes (GPU -> host) them.

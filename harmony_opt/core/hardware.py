@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 from .errors import HardwareError
+from .io import atomic_write_json, atomic_write_text, read_text
 from .units import GB, GiB, parse_bytes
 
 
@@ -89,7 +90,6 @@ class Hardware:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> Path:
-        from .io import atomic_write_json, atomic_write_text
         path = Path(path)
         d = {k: v for k, v in self.to_dict().items() if v is not None}
         if path.suffix == ".json":
@@ -131,7 +131,6 @@ class Hardware:
 
     @classmethod
     def load(cls, path: str | Path) -> "Hardware":
-        from .io import read_text
         path = Path(path)
         text = read_text(path, "hardware file", HardwareError,
                          f"give a preset ({', '.join(PRESETS)}) or a .toml/.json file")

@@ -33,14 +33,14 @@ from collections import defaultdict
 
 import numpy as np
 
-from .errors import PlanError
-from .hardware import Hardware
-from .kinds import Medium, TaskKind, Tensor
-from .plan import Plan, in_order, transfer_key
-from .profile import Profile
+from ..core.errors import PlanError
+from ..core.hardware import Hardware
+from ..core.kinds import Medium, TaskKind, Tensor
+from ..core.plan import Plan, in_order, transfer_key
+from ..core.profile import Profile
+from ..core.units import fmt_bytes
 from .taskgraph import SOURCE_TENSOR, Task, TaskNode, compose, placement, task_memories, task_memory
 from .timeline import Timeline, memory_steps
-from .units import fmt_bytes
 
 STREAMS = ("compute", "swap_in_w", "swap_in", "swap_out", "p2p", "cpu")
 _H2D, _D2H = "h2d", "d2h"

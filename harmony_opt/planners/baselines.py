@@ -20,14 +20,17 @@ from typing import Callable
 
 import numpy as np
 
-from .bundled import profile_ident
-from .errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
-from .hardware import Hardware
-from .memory import check_layers_fit, fit_to_program, max_pack_end
-from .host_memory import require_fits
-from .plan import Plan, data_shares, split_microbatches
-from .profile import Profile
-from .units import fmt_bytes
+from ..compile.program_memory import fit_to_program
+from ..core.bundled import profile_ident
+from ..core.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
+from ..core.hardware import Hardware
+from ..core.memory import check_layers_fit, max_pack_end
+from ..core.plan import Plan, data_shares, split_microbatches
+from ..core.profile import Profile
+from ..core.units import fmt_bytes
+from ..harmony import harmony_search, simulate_harmony
+from ..sim.host_memory import require_fits
+from ..sim.simulator import simulate
 
 
 #: relative margin on the floor test: summing event durations in another order rounds differently
@@ -47,10 +50,8 @@ def played(plan: Plan, profile: Profile, hw: Hardware, cost_model: str = "defaul
     """(``score``, the events its simulation played: the work it took; 0 where the plan was rejected)."""
     try:
         if cost_model == "harmony":
-            from .harmony import simulate_harmony
             tl = simulate_harmony(plan, profile, with_timeline=False)
         else:
-            from .simulator import simulate
             tl = simulate(plan, profile, hw, with_timeline=False)
     except PlanError:
         return float("inf"), 0
@@ -277,7 +278,6 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
     """Harmony's search; under the default cost model its candidates are judged by our simulator.
     ``play_many(plans)``: ``played`` of each plan (default: one after the other here), e.g. in other
     processes: the same plan, sooner."""
-    from .harmony import harmony_search
     n = _gpus(hw, gpus)
     events = [0]
 

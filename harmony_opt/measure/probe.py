@@ -1,4 +1,4 @@
-"""Measure this machine and describe it as a :class:`~harmony_opt.hardware.Hardware`.
+"""Measure this machine and describe it as a :class:`~harmony_opt.core.hardware.Hardware`.
 
 ::
 
@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from .hardware import Hardware
+from ..core.hardware import Hardware
+from ..core.units import GB, MiB
 from .profiler import device_name, resolve_device
-from .units import GB, MiB
 
 DEFAULT_SIZES = (4 * MiB, 32 * MiB, 256 * MiB)
 #: Share of free GPU memory the planner may use (the rest: fragmentation, workspaces).

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .errors import UsageError
+from ..core.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def decompose_gpt2(hf_model: nn.Module) -> list[nn.Module]:
     and the embedding as separate layers, so a head tied to the token embedding
     (transformers' default) is untied here: the head gets a copy of the weight, and
     training then follows the untied model. Build with ``tie_word_embeddings=False``
-    (as :mod:`harmony_opt.models` does) to avoid the copy.
+    (as :mod:`harmony_opt.measure.models` does) to avoid the copy.
     """
     transformer, head = _require(hf_model, "GPT2LMHeadModel", "transformer", "lm_head")
     if head.weight is transformer.wte.weight:

@@ -3,8 +3,8 @@
 Writes are atomic: a temporary file in the same folder, fsync, then rename, so an
 interrupted run never leaves a truncated plan, profile, program, checkpoint, result,
 figure or trace that a later command would read. A write that the system refuses (no
-such folder, no permission, a folder in the way, disk full) raises :class:`~harmony_opt.errors.OutputError`,
-which is both an ``OSError`` and a :class:`~harmony_opt.errors.HarmonyOptError`, so the
+such folder, no permission, a folder in the way, disk full) raises :class:`~harmony_opt.core.errors.OutputError`,
+which is both an ``OSError`` and a :class:`~harmony_opt.core.errors.HarmonyOptError`, so the
 command line reports it in one line with exit code 2.
 
 Reads of the tool's own text files (plans, programs, hardware files) go through

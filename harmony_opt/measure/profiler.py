@@ -1,4 +1,4 @@
-"""Measure a layered model on the current device and produce a :class:`~harmony_opt.profile.Profile`.
+"""Measure a layered model on the current device and produce a :class:`~harmony_opt.core.profile.Profile`.
 
 ::
 
@@ -44,9 +44,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..core.errors import InfeasibleError, UsageError
+from ..core.profile import Profile
 from .decompose import LayeredModel
-from .errors import InfeasibleError, UsageError
-from .profile import Profile
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +389,7 @@ def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, 
           skipped: list[str], threads: int, target_bytes: float = 0.0) -> dict:
     from runtime.optim import fused_on_cpu
 
-    from . import __version__
+    from .. import __version__
 
     cpu = dev.type == "cpu"
     return {

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hardware import Hardware
-from .profile import Profile
+from ..core.hardware import Hardware
+from ..core.profile import Profile
 
 
 def lower_bound(profile: Profile, hw: Hardware, batch: int, memory_cap: int | None = None) -> dict:

@@ -9,11 +9,12 @@ from .profile import Profile
 
 
 def profiles_dir() -> Path:
-    """``$HARMONY_OPT_PROFILES``, else the ``profiles/`` folder beside the package."""
+    """``$HARMONY_OPT_PROFILES``, else the ``profiles/`` folder beside the package (``harmony_opt/core/`` is
+    two levels below it)."""
     env = os.environ.get("HARMONY_OPT_PROFILES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "profiles"
+    return Path(__file__).resolve().parents[2] / "profiles"
 
 
 def bundled_names() -> list[str]:

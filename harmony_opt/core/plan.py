@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlanError
+from .io import atomic_write_text, read_json
 
 PLAN_VERSION = 1
 MODES = ("vPP", "vDP")
@@ -297,7 +298,6 @@ class Plan:
         return json.dumps(_canonical(self.to_dict()), indent=2, allow_nan=False) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        from .io import atomic_write_text
         return atomic_write_text(path, self.to_json())
 
     @classmethod
@@ -350,7 +350,6 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        from .io import read_json
         path = Path(path)
         d = read_json(path, "plan file", PlanError, "give the plan JSON that `harmony-opt plan` or `baseline` wrote",
                       "was the file cut short?")
