@@ -21,6 +21,8 @@ LM head of a GPT-2 whose weight is tied to the token embedding: see
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 from typing import Callable
 
@@ -200,6 +202,13 @@ class GPT2Embedding(nn.Module):
         return self.drop(self.wte(input_ids) + self.wpe(positions))
 
 
+@functools.cache
+def _cache_kwarg() -> str:
+    """``create_causal_mask``'s name for the key/value cache, which transformers renamed."""
+    from transformers.masking_utils import create_causal_mask
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
 class GPT2Layer(nn.Module):
     """One GPT-2 block with the causal mask ``GPT2Model`` would build for it.
 
@@ -217,8 +226,9 @@ class GPT2Layer(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # no cache: named `cache` in newer transformers, `past_key_values` (deprecated there) before
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=positions)
+                                  position_ids=positions, **{_cache_kwarg(): None})
         out = self.block(hidden, attention_mask=mask)
         return out[0] if isinstance(out, tuple) else out
 
