@@ -21,7 +21,7 @@ __all__ = [
 
 # The runtime side imports torch (about a second): loaded on first use, so that planning,
 # simulating and the other torch-free commands start fast.
-_LAZY = {"compile_plan": "compile.compiler", "Program": "compile.program", "validate_program": "compile.program",
+_LAZY = {"compile_plan": "compile.compiler", "Program": "compile.program", "validate_program": "compile.validate",
          "TrainResult": "training", "train": "training"}
 __all__ += list(_LAZY)
 

@@ -30,7 +30,8 @@ from typing import Callable, Iterable
 import torch
 
 from .compile.compiler import compile_plan
-from .compile.program import Program, plan_identity, validate_program
+from .compile.program import Program, plan_identity
+from .compile.validate import validate_program
 from .core.errors import DataError, PlanError, ProgramError, RuntimeMemoryError, UsageError
 from .core.plan import Plan
 from .measure.models import MODEL_NAMES

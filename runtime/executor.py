@@ -41,7 +41,8 @@ from torch.func import functional_call
 
 from harmony_opt.core.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
 from harmony_opt.core.kinds import Tensor
-from harmony_opt.compile.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects, format_schedule
+from harmony_opt.compile.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects
+from harmony_opt.compile.validate import format_schedule
 from harmony_opt.sim.timeline import memory_steps
 
 from .buffers import HostBuffers

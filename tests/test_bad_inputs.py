@@ -29,7 +29,8 @@ def _api(case: dict):
     from harmony_opt.core.hardware import Hardware, get_hardware
     from harmony_opt.core.plan import Plan
     from harmony_opt.core.profile import Profile
-    from harmony_opt.compile.program import Program, validate_program
+    from harmony_opt.compile.program import Program
+    from harmony_opt.compile.validate import validate_program
     from harmony_opt.sim.simulator import simulate
     path = case["input"]
     kind = case["api"]

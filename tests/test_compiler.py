@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from harmony_opt.compile.compiler import build_tasks, compile_plan, instruction_key, microbatch_rows
 from harmony_opt.core.errors import PlanError, ProgramError
 from harmony_opt.core.plan import PackOptions, Plan
-from harmony_opt.compile.program import (Instr, Kind, LayerBytes, Program, Stream, Tensor, effects, format_schedule,
-                                 validate_program)
+from harmony_opt.compile.program import Instr, Kind, LayerBytes, Program, Stream, Tensor, effects
+from harmony_opt.compile.validate import format_schedule, validate_program
 
 
 def make_plan(mode="vPP", gpus=1, batch=4, uf=2, ub=2, fwd=((0, 1), (2, 2)), bwd=((0, 2), (3, 5)), R=6,

@@ -21,7 +21,7 @@ from harmony_opt.compile.program_memory import program_memory
 from harmony_opt.measure.models import build_model
 from harmony_opt.core.plan import Plan
 from harmony_opt.measure.profiler import profile_model
-from harmony_opt.compile.program import validate_program
+from harmony_opt.compile.validate import validate_program
 from harmony_opt.training import train
 from runtime.shapes import measure_layer_bytes
 from solver_models.planner import PlannerOptions, plan as cp_plan

@@ -7,7 +7,7 @@ from harmony_opt import InfeasibleError, get_hardware, load_profile
 from harmony_opt.planners.baselines import plan_harmony
 from harmony_opt.compile.compiler import compile_plan
 from harmony_opt.core.plan import split_microbatches
-from harmony_opt.compile.program import validate_program
+from harmony_opt.compile.validate import validate_program
 from harmony_opt.sim.simulator import simulate
 from solver_models import search
 from solver_models.planner import PlannerOptions, plan
@@ -238,7 +238,7 @@ def test_gradients_are_kept_on_the_gpu_where_that_is_faster():
     plan keeps each activation gradient on the GPU for the next backward pack; the report's
     objective and bound describe the model with that handoff; off on request and in Harmony's space."""
     from harmony_opt.compile.compiler import compile_plan
-    from harmony_opt.compile.program import validate_program
+    from harmony_opt.compile.validate import validate_program
     prof, hw = load_profile("vgg416"), get_hardware("1080ti-x4").with_gpus(2)
     cap = 10 * 2**30
     kept = plan(prof, hw, 32, PlannerOptions(mode="vDP", time_limit=3), memory_cap=cap)

@@ -58,7 +58,8 @@ def _check(args):
         hw = Hardware.load(path)
         print(f"ok: hardware {hw.name}, {hw.gpus} GPU(s), {hw.gpu_memory_bytes} bytes each")
     elif kind == "program":
-        from ..compile.program import Program, validate_program
+        from ..compile.program import Program
+        from ..compile.validate import validate_program
         prog = Program.load(path)
         try:
             stats = validate_program(prog, cap_bytes=cap)

@@ -57,7 +57,7 @@ def _model(name: str, items: list[str]):
 
 def _compile(args):
     from ..compile.compiler import compile_plan
-    from ..compile.program import validate_program
+    from ..compile.validate import validate_program
 
     if args.overrides and not args.model:
         raise UsageError("--set changes a built-in model's spec: give it with --model")
