@@ -45,7 +45,7 @@ class Budget:
     """Work seconds, counted deterministically so that the same inputs give the same plan on a busy
     or an idle machine: CP-SAT's deterministic time plus fixed costs per unit of the other work,
     measured on a 2-core machine (benchmarks/results/planner.md); they track wall time within a
-    small factor, which drifts with the machine's load (1.0-2.6x by stage in one session).
+    small factor, which drifts with the machine's load (1.0-2.6x by stage within one day).
 
     With ``wall`` seconds, each step also stops where its share of them has passed (``left``) and
     CP-SAT at the wall seconds left (``wall_left``): the search ends in time on a slow machine,

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from harmony_opt.sim.bound import lower_bound
-from harmony_opt.core.bundled import profile_ident
+from harmony_opt.core.bundled import plan_ident
 from harmony_opt.core.errors import HarmonyOptError
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.sim.host_memory import may_bind, model_host_memory
@@ -173,7 +173,7 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
                 # the rest: the report, and what the charges miss
                 Budget(0.9 * opts.time_limit, None if opts.wall_limit is None else 0.9 * opts.wall_limit),
                 report or (lambda s: None),
-                {"profile": profile_ident(profile), "hardware": hw.to_dict()},
+                plan_ident(profile, hw),
                 host_check=may_bind(profile, hw, batch))
     with pool.processes(S):
         if incumbent is None:

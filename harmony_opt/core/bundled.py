@@ -58,3 +58,8 @@ def profile_ident(profile: Profile) -> dict:
     if profile.name in bundled_names() and (profiles_dir() / profile.name).resolve() == folder:
         return ident
     return {**ident, "path": str(folder)}
+
+
+def plan_ident(profile: Profile, hardware) -> dict:
+    """The inputs a plan records (``Plan.profile`` and ``Plan.hardware``), for every planner alike."""
+    return {"profile": profile_ident(profile), "hardware": hardware.to_dict()}

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ..compile.program_memory import fit_to_program
-from ..core.bundled import profile_ident
+from ..core.bundled import plan_ident
 from ..core.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from ..core.hardware import Hardware
 from ..core.memory import check_layers_fit, max_pack_end
@@ -35,10 +35,6 @@ from ..sim.simulator import simulate
 
 #: relative margin on the floor test: summing event durations in another order rounds differently
 _FLOOR_SLACK = 1e-7
-
-
-def _ident(profile: Profile, hw: Hardware) -> dict:
-    return {"profile": profile_ident(profile), "hardware": hw.to_dict()}
 
 
 def score(plan: Plan, profile: Profile, hw: Hardware, cost_model: str = "default") -> float:
@@ -238,7 +234,7 @@ def plan_layerwise(profile: Profile, hw: Hardware, batch: int, cap: int, *, grou
             return None
         bwd = [(l, l) for l in range(R)]
         return Plan(name, "vDP", n, batch, u, u, bwd[:-1], bwd, R, input_batch_grouping=grouping,
-                    memory_cap=cap, **_ident(profile, hw))
+                    memory_cap=cap, **plan_ident(profile, hw))
     return _best_by_size(make, same_sizes(profile, batch, n), profile, hw, name, cap)
 
 
@@ -269,7 +265,7 @@ def plan_zero_offload(profile, hw, batch, cap, gpus=None, **_):
     def make(u):
         if profile.costs("BWD", u).pack_memory(0, R - 1) > cap:
             return None
-        return Plan("zero-offload", "vDP", n, batch, u, u, [], [(0, R - 1)], R, memory_cap=cap, **_ident(profile, hw))
+        return Plan("zero-offload", "vDP", n, batch, u, u, [], [(0, R - 1)], R, memory_cap=cap, **plan_ident(profile, hw))
     return _best_by_size(make, sizes, profile, hw, "zero-offload", cap)
 
 
@@ -282,7 +278,7 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
     events = [0]
 
     def score_many(plans):
-        plans = [p.replace(cost_model="default", **_ident(profile, hw)) for p in plans]
+        plans = [p.replace(cost_model="default", **plan_ident(profile, hw)) for p in plans]
         results = list(play_many(plans)) if play_many is not None else [played(p, profile, hw) for p in plans]
         events[0] += sum(n_events for _, n_events in results)
         return [t for t, _ in results]
@@ -291,7 +287,7 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
     plan = res.best_plan()
     # the work the search did, in events played (the planner charges it to its budget)
     plan = plan.replace(stats={**plan.stats, "events_simulated": res.events_simulated + events[0]})
-    return _fits_host(plan.replace(cost_model=cost_model, **_ident(profile, hw)), profile, hw)
+    return _fits_host(plan.replace(cost_model=cost_model, **plan_ident(profile, hw)), profile, hw)
 
 
 PLANNERS = {
