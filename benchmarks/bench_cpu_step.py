@@ -91,7 +91,7 @@ BLOCKS, PER_PACK = 48, 4              # GPT-2 XL's blocks; blocks per pack (opti
 def whole_model_once(layout: str, steps: int = 5) -> dict:
     """One process: every block's Adam step, pack by pack, on a worker thread (as runtime.executor)."""
     from concurrent.futures import ThreadPoolExecutor
-    from runtime.optim import host_threads, intra_op_threads
+    from harmony_opt.runtime.optim import host_threads, intra_op_threads
 
     t0 = time.perf_counter()
     pin = layout == "pinned"

@@ -29,7 +29,7 @@ from harmony_opt.core.bundled import load_profile
 from harmony_opt.core.hardware import get_hardware
 from harmony_opt.core.io import write_results
 from harmony_opt.reproduce import machine_description, markdown_table
-from solver_models.planner import PlannerOptions, plan
+from harmony_opt.solver_models.planner import PlannerOptions, plan
 
 GiB = 2**30
 MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")

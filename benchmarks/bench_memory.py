@@ -35,7 +35,7 @@ from harmony_opt.measure.models import build_model
 from harmony_opt.measure.profiler import profile_model
 from harmony_opt.sim.simulator import simulate
 from harmony_opt.training import train
-from solver_models.planner import PlannerOptions, plan as cp_plan
+from harmony_opt.solver_models.planner import PlannerOptions, plan as cp_plan
 
 MODELS = ("gpt2-tiny", "bert-tiny", "vgg-tiny", "resnet-tiny")
 FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0, 5.0)

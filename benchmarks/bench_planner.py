@@ -43,7 +43,7 @@ from harmony_opt.core.hardware import get_hardware
 from harmony_opt.core.io import write_results
 from harmony_opt.reproduce import machine_description, markdown_table
 from harmony_opt.sim.simulator import simulate
-from solver_models.planner import PlannerOptions, plan
+from harmony_opt.solver_models.planner import PlannerOptions, plan
 
 #: Harmony's search, its plans held to what runs (harmony_opt.compile.program_memory.fit_to_program), as ours are
 harmony = get_planner("harmony")

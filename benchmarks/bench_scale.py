@@ -50,7 +50,7 @@ def child(name: str, time_limit: float) -> dict:
     from harmony_opt.reproduce import scaling_hardware
     from harmony_opt.sim.simulator import simulate
     from harmony_opt.measure.synthetic import gpt2_profile
-    from solver_models.planner import PlannerOptions, plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan
     shape = shapes()[name]
     t0 = time.perf_counter()
     profile = gpt2_profile(shape, name=name)

@@ -36,11 +36,11 @@ from harmony_opt.core.io import atomic_write_text
 from harmony_opt.core.plan import PackOptions, Plan, data_shares, split_microbatches
 from harmony_opt.reproduce import machine_description, markdown_table
 from harmony_opt.sim.simulator import simulate
-from solver_models import dp, search
-from solver_models.bounds import config_bound
-from solver_models.options import PlannerOptions, configurations
-from solver_models.tasks import B, build_tasks, candidate_cuts, stashable_layers
-from solver_models.timing import evaluate, packs_of
+from harmony_opt.solver_models import dp, search
+from harmony_opt.solver_models.bounds import config_bound
+from harmony_opt.solver_models.options import PlannerOptions, configurations
+from harmony_opt.solver_models.tasks import B, build_tasks, candidate_cuts, stashable_layers
+from harmony_opt.solver_models.timing import evaluate, packs_of
 
 GiB = 2**30
 CASES = [(m, 64, 4, int(9e9 if m in ("bert_96", "gpt2_xl") else 10 * GiB)) for m in

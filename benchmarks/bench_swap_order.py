@@ -44,8 +44,8 @@ from harmony_opt.core.hardware import get_hardware
 from harmony_opt.core.io import atomic_write_text
 from harmony_opt.reproduce import machine_description, markdown_table
 from harmony_opt.sim.simulator import simulate
-from solver_models.planner import PlannerOptions, plan
-from solver_models.event_schedule import solve_timeline
+from harmony_opt.solver_models.planner import PlannerOptions, plan
+from harmony_opt.solver_models.event_schedule import solve_timeline
 
 GiB = 2**30
 MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")

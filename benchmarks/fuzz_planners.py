@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     # same code even when someone edits the tree during a soak of an hour
     import harmony_opt.planners.baselines, harmony_opt.harmony, harmony_opt.sim.simulator  # noqa: E401,F401
     if "cp-sat" in planners:
-        import solver_models.planner  # noqa: F401
+        import harmony_opt.solver_models.planner  # noqa: F401
     code = _code_state()
     t0 = time.perf_counter()
     jobs = [(i, args.seed, args.max_layers, args.large_fraction, args.time_limit, args.example_timeout,

@@ -121,7 +121,7 @@ def build(case: FuzzCase) -> tuple[Profile, Hardware]:
 def run_planner(name: str, profile: Profile, hw: Hardware, case: FuzzCase) -> Plan:
     cap = hw.gpu_memory_bytes
     if name == "cp-sat":
-        from solver_models.planner import PlannerOptions, plan
+        from harmony_opt.solver_models.planner import PlannerOptions, plan
         opts = PlannerOptions(mode=case.mode, gpus=case.use_gpus, time_limit=case.time_limit, seed=0, workers=1)
         return plan(profile, hw, case.batch, opts, memory_cap=cap)
     kw = {"gpus": case.use_gpus}

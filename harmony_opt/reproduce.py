@@ -171,7 +171,7 @@ def table1_row(model: str, cap: int, time_limit: float, batch: int = TABLE1_BATC
     is judged by our simulator, so the speed-ups compare plans under one cost model;
     ``harmony_own_model_s`` is what Harmony's own simulator says of its best candidate, for
     comparison with the paper."""
-    from solver_models.planner import PlannerOptions, plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan
 
     profile = load_profile(model)
     hw = get_hardware(HARDWARE, memory_cap=cap)
@@ -615,7 +615,7 @@ def scaling_row(name: str, time_limit: float, batch: int = TABLE1_BATCH, gpus: i
                 mode: str = TABLE1_MODE, shape=None) -> dict:
     """Search time and plan quality of Harmony's search and ours on one synthetic GPT-2
     (``shape``: a :class:`~harmony_opt.measure.synthetic.GPT2Shape`, default the named one of the series)."""
-    from solver_models.planner import PlannerOptions, plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan
 
     shape = shape or GPT2_SCALING[name]
     profile = gpt2_profile(shape, name=name)
@@ -733,7 +733,7 @@ def two_server_hardware() -> dict:
 
 def two_servers(time_limit: float = 10.0, model: str = "gpt2_xl", batch: int = TABLE1_BATCH) -> pd.DataFrame:
     """Harmony's search (vPP and vDP) and ours on one server and on two, all simulated."""
-    from solver_models.planner import PlannerOptions, plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan
 
     profile = load_profile(model)
     rows = []

@@ -91,11 +91,11 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     ``trace=True`` the result holds when every instruction of the last step ran
     (:meth:`TrainResult.timeline`).
     """
-    from runtime.checkpoint import load_checkpoint, restore_layers
-    from runtime.optim import make_factory
-    from runtime.optim import optimizer_states
-    from runtime.shapes import boundary_shapes, measure_layer_bytes
-    from runtime.worker import Job, run_job
+    from harmony_opt.runtime.checkpoint import load_checkpoint, restore_layers
+    from harmony_opt.runtime.optim import make_factory
+    from harmony_opt.runtime.optim import optimizer_states
+    from harmony_opt.measure.shapes import boundary_shapes, measure_layer_bytes
+    from harmony_opt.runtime.worker import Job, run_job
 
     layers = list(model.layers)
     check_plan(model, plan)

@@ -157,7 +157,7 @@ def _rank_main(rank: int, world: int, port: int, job: Job, results) -> None:
 
 
 #: Modules the fork server imports once, so that every later rank process starts warm.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "harmony_opt.compile.program", "runtime.worker"]
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "harmony_opt.compile.program", "harmony_opt.runtime.worker"]
 
 
 def layer_modules(layers: list[nn.Module]) -> list[str]:

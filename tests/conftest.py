@@ -48,6 +48,6 @@ def small_profile():
 def one_thread():
     """One intra-op thread: faster on tiny models, and no spin-waiting collapse when other
     processes share the cores (as the executor's rank processes already do)."""
-    from runtime.optim import intra_op_threads
+    from harmony_opt.runtime.optim import intra_op_threads
     with intra_op_threads(1):
         yield

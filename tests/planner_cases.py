@@ -3,8 +3,8 @@ from __future__ import annotations
 
 
 from harmony_opt import get_hardware
-from solver_models.tasks import Config
-from solver_models.timing import evaluate
+from harmony_opt.solver_models.tasks import Config
+from harmony_opt.solver_models.timing import evaluate
 
 from conftest import synthetic_profile
 

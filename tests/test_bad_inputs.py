@@ -48,7 +48,7 @@ def _api(case: dict):
     if kind == "write":
         return Plan.load("tests/bad_inputs/plans/gpt2_tiny_l2l_good.json").save(path)
     if kind == "checkpoint":
-        from runtime.checkpoint import load_checkpoint
+        from harmony_opt.runtime.checkpoint import load_checkpoint
         return load_checkpoint(path, plan_identity="", layers=[])
     hw = get_hardware(case["hardware"], memory_cap=case.get("memory_cap"))
     if kind == "hardware-spec":
@@ -58,7 +58,7 @@ def _api(case: dict):
         from harmony_opt.planners.baselines import get_planner
         return get_planner(case["planner"])(profile, hw, case["batch"], hw.gpu_memory_bytes, gpus=case.get("gpus"))
     if kind == "cp-sat":
-        from solver_models.planner import PlannerOptions, plan
+        from harmony_opt.solver_models.planner import PlannerOptions, plan
         return plan(profile, hw, case["batch"], PlannerOptions(time_limit=2), memory_cap=hw.gpu_memory_bytes)
     raise AssertionError(f"manifest: unknown api {kind!r}")
 

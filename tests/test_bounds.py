@@ -23,12 +23,12 @@ from harmony_opt.core.errors import InfeasibleError
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.plan import data_shares, split_microbatches
 from harmony_opt.core.profile import Profile
-from solver_models import chain, dp, search
-from solver_models.bounds import compute_floor, config_bound, in_bound_order, pipeline_path_bound
-from solver_models.options import configurations
-from solver_models.planner import PlannerOptions, plan
-from solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts
-from solver_models.timing import evaluate
+from harmony_opt.solver_models import chain, dp, search
+from harmony_opt.solver_models.bounds import compute_floor, config_bound, in_bound_order, pipeline_path_bound
+from harmony_opt.solver_models.options import configurations
+from harmony_opt.solver_models.planner import PlannerOptions, plan
+from harmony_opt.solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts
+from harmony_opt.solver_models.timing import evaluate
 
 from conftest import synthetic_profile
 from planner_cases import every_plan, stashed
@@ -270,7 +270,7 @@ def test_least_packing_is_the_cheapest_packing_by_brute_force(case):
     packs that fit, enumerated."""
     import itertools
     import numpy as np
-    from solver_models.bounds import _least_packing
+    from harmony_opt.solver_models.bounds import _least_packing
     ends, start, top, first = case
     R = len(ends)
     max_end = np.maximum(np.asarray(ends), np.arange(R) - 1)       # max_pack_end's range
@@ -376,7 +376,7 @@ def test_vpp_path_bound_is_below_every_plan_of_longer_chains(R, seed, uf, ub, ti
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(-5, 5), min_size=1, max_size=40), st.data())
 def test_window_min_is_the_least_of_each_window(values, data):
-    from solver_models.bounds import _window_min
+    from harmony_opt.solver_models.bounds import _window_min
     n = len(values)
     lo = np.asarray(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=10)))
     hi = np.asarray([data.draw(st.integers(-1, n - 1)) for _ in lo])

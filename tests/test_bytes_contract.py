@@ -69,13 +69,13 @@ def test_host_memory_is_what_the_executor_holds(name, monkeypatch):
     while they live, and the profile counts them layer by layer (a few % apart, as above)."""
     import torch
 
-    import runtime.executor as rex
+    import harmony_opt.runtime.executor as rex
     from harmony_opt.compile.compiler import compile_plan
     from harmony_opt.sim.host_memory import host_memory
     from harmony_opt.compile.program import Kind
-    from runtime.optim import PackOptimizers
-    from runtime.shapes import boundary_shapes
-    from runtime.worker import updated_packs
+    from harmony_opt.runtime.optim import PackOptimizers
+    from harmony_opt.measure.shapes import boundary_shapes
+    from harmony_opt.runtime.worker import updated_packs
 
     def size(tensors):
         return sum(t.numel() * t.element_size() for t in tensors)

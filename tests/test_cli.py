@@ -99,11 +99,11 @@ def test_output_path_that_is_a_folder_is_exit_2(capsys, tmp_path):
 def test_a_bad_output_path_fails_before_the_search(capsys, tmp_path, monkeypatch, argv):
     """A user should not wait for a search whose result cannot be written."""
     import harmony_opt.planners.baselines
-    import solver_models.planner
+    import harmony_opt.solver_models.planner
 
     def searched(*a, **k):
         raise AssertionError("the search ran before the output path was checked")
-    monkeypatch.setattr(solver_models.planner, "plan", searched)
+    monkeypatch.setattr(harmony_opt.solver_models.planner, "plan", searched)
     monkeypatch.setattr(harmony_opt.planners.baselines, "get_planner", searched)
     monkeypatch.setattr(harmony_opt.planners.baselines, "PLANNERS", {"l2l": searched})
     a_file = tmp_path / "not_a_folder"
@@ -191,7 +191,7 @@ def test_plan_uses_the_cores_it_may_run_on_unless_told(capsys, monkeypatch, argv
     same for any number, tests/test_determinism.py); --processes N overrides it."""
     import os
 
-    import solver_models.planner as planner
+    import harmony_opt.solver_models.planner as planner
     from harmony_opt.core.errors import UsageError
 
     seen = []

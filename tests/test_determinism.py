@@ -37,7 +37,7 @@ def test_baseline_plan_files_are_byte_identical(name, inputs, tmp_path):
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_cp_sat_plan_files_are_byte_identical(workers, inputs, tmp_path):
-    from solver_models.planner import PlannerOptions, plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan
     profile, hw = inputs
     opts = PlannerOptions(time_limit=4, seed=7, workers=workers)
     a, b = (plan(profile, hw, 8, opts, memory_cap=hw.gpu_memory_bytes) for _ in range(2))
@@ -62,7 +62,7 @@ def test_cp_sat_plan_is_the_same_in_fresh_processes_with_other_hash_seeds(tmp_pa
     import subprocess
     import sys
     code = ("import sys; sys.path.insert(0, 'tests'); from conftest import synthetic_profile; "
-            "from harmony_opt.core.hardware import get_hardware; from solver_models.planner import PlannerOptions, plan; "
+            "from harmony_opt.core.hardware import get_hardware; from harmony_opt.solver_models.planner import PlannerOptions, plan; "
             "p = plan(synthetic_profile(R=14, seed=4), get_hardware('1080ti-x4', memory_cap='600MB'), 8, "
             "PlannerOptions(time_limit=3, seed=2)); sys.stdout.write(p.to_json())")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,9 +77,9 @@ def test_more_processes_give_the_same_plan_file(tmp_path, monkeypatch):
     processes did do the work (both steps went through the pool)."""
     import concurrent.futures
 
-    import solver_models.pool as pool
+    import harmony_opt.solver_models.pool as pool
     from harmony_opt.core.bundled import load_profile
-    from solver_models.planner import PlannerOptions, plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan
     calls = {"submit": 0, "map": 0}
 
     class Counted(concurrent.futures.ProcessPoolExecutor):

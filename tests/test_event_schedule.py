@@ -7,13 +7,13 @@ from hypothesis import given, settings, strategies as st
 from harmony_opt import get_hardware
 from harmony_opt.core.plan import ORDERED_STREAMS, Plan
 from harmony_opt.sim.simulator import simulate
-from solver_models.planner import PlannerOptions, plan
+from harmony_opt.solver_models.planner import PlannerOptions, plan
 
 from conftest import synthetic_profile
 
 
 def test_timeline_model_schedules_the_simulated_events_at_least_as_well():
-    from solver_models.event_schedule import solve_timeline
+    from harmony_opt.solver_models.event_schedule import solve_timeline
     prof = synthetic_profile(R=10, seed=7)
     hw = get_hardware("1080ti-x4").with_gpus(2)
     cap = int(prof.costs("BWD", 4).pack_memory(0, 9) * 0.5)
@@ -38,7 +38,7 @@ def test_order_bound_holds_for_every_order_of_the_transfers():
     order bound is below that optimum, and the schedule keeps each stream to one transfer at a
     time and every dependency."""
     from harmony_opt.sim.simulator import Expansion
-    from solver_models.event_schedule import TRANSFER_STREAMS, solve_timeline
+    from harmony_opt.solver_models.event_schedule import TRANSFER_STREAMS, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
     p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
     fixed = solve_timeline(p, prof, hw, time_limit=10)
@@ -65,7 +65,7 @@ def test_a_plan_carries_the_order_of_the_swaps_the_timeline_model_chose():
     (``TimelineResult.order``) has that schedule as its own: the fixed-order model of the ordered plan
     reaches it (within the stop gap), below the rule order's optimum, and simulates it."""
     from harmony_opt.sim.simulator import Expansion
-    from solver_models.event_schedule import _schedule_order, solve_timeline
+    from harmony_opt.solver_models.event_schedule import _schedule_order, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=0), get_hardware("1080ti-x4").with_gpus(4)
     p = Plan("t", "vDP", 4, 16, 4, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
     rule = solve_timeline(p, prof, hw, time_limit=10, rel_gap=0)
@@ -87,8 +87,8 @@ def test_timeline_model_gets_at_most_a_tenth_of_a_short_time_limit(time_limit, m
     """The timeline model only reports on the chosen plan; its deterministic second can cost several
     wall seconds, so under a short --time-limit it must not take the rest of the budget (at most
     1 s, a tenth of the limit below 10 s)."""
-    import solver_models.steps.order as order
-    from solver_models.event_schedule import solve_timeline
+    import harmony_opt.solver_models.steps.order as order
+    from harmony_opt.solver_models.event_schedule import solve_timeline
     asked = []
 
     def timed(*a, **k):
@@ -106,7 +106,7 @@ def test_timeline_model_gets_at_most_a_tenth_of_a_short_time_limit(time_limit, m
 def test_timeline_bound_holds_when_the_search_has_no_time():
     """Out of budget, CP-SAT may prove nothing; the bound is then the longest precedence chain or the
     busiest stream: above zero, never above what the simulator achieves, and no weaker than CP-SAT's."""
-    from solver_models.event_schedule import solve_timeline
+    from harmony_opt.solver_models.event_schedule import solve_timeline
     prof = synthetic_profile(R=10, seed=7)
     hw = get_hardware("1080ti-x4").with_gpus(2)
     cap = int(prof.costs("BWD", 4).pack_memory(0, 9) * 0.5)
@@ -126,7 +126,7 @@ def test_timeline_reports_the_simulators_schedule_when_cp_sat_finds_none_in_its_
     gives both, and says so."""
     from ortools.sat.python import cp_model
 
-    import solver_models.event_schedule as timeline
+    import harmony_opt.solver_models.event_schedule as timeline
     from harmony_opt.commands.planning import solver_summary
 
     class OutOfTime:
@@ -155,7 +155,7 @@ def test_one_machine_bound_is_the_best_subset_bound_and_no_schedule_beats_it(job
     """Carlier's theorem, brute force: the preemptive Jackson value is the largest min release + sum of
     lengths + min tail over the subsets, and no order of the jobs, run without preemption, ends earlier."""
     import itertools
-    from solver_models.event_schedule import one_machine_bound
+    from harmony_opt.solver_models.event_schedule import one_machine_bound
     release, length, tail = (list(c) for c in zip(*jobs))
     value = one_machine_bound(release, length, tail)
     n = len(jobs)
@@ -178,7 +178,7 @@ def test_timeline_bound_counts_the_transfers_queueing_on_the_shared_link():
     and the busiest stream, and stays below the optimum CP-SAT proves."""
     import math
     from harmony_opt.sim.simulator import Expansion
-    from solver_models.event_schedule import SCALE, _floor_ticks, link_resources, solve_timeline
+    from harmony_opt.solver_models.event_schedule import SCALE, _floor_ticks, link_resources, solve_timeline
     prof, hw = synthetic_profile(R=6, seed=1), get_hardware("1080ti-x4").with_gpus(4)
     bwd = [(0, 1), (2, 3), (4, 5)]
     p = Plan("t", "vDP", 4, 16, 2, 2, bwd[:-1], bwd, 6)
@@ -201,7 +201,7 @@ def test_timeline_model_reserves_the_memory_the_simulator_does(handoff):
     simulator's memory curve, gradients kept on the GPU included."""
     from harmony_opt.sim.simulator import Expansion
     from harmony_opt.sim.timeline import memory_steps
-    from solver_models.event_schedule import reservations
+    from harmony_opt.solver_models.event_schedule import reservations
     prof, hw = synthetic_profile(R=6), get_hardware("1080ti-x4").with_gpus(2)
     bwd = [(0, 1), (2, 3), (4, 5)]
     p = Plan("t", "vDP", 2, 8, 2, 4, bwd[:-1], bwd, 6, gpu_handoff=handoff)

@@ -202,7 +202,7 @@ def test_named_adam_runs_fused_and_resumes_like_plain_pytorch(device, tmp_path, 
     """``optimizer="adam"`` steps with torch's fused kernels (the host step on the CPU, the device
     step of a GPU-optimizer pack on the device), and a run resumed from a checkpoint, whose step
     counts load on the host, ends where plain PyTorch's per-parameter Adam does."""
-    from runtime.optim import fused_on_cpu, make_factory
+    from harmony_opt.runtime.optim import fused_on_cpu, make_factory
 
     if device == "cuda":
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
@@ -220,7 +220,7 @@ def test_named_adam_runs_fused_and_resumes_like_plain_pytorch(device, tmp_path, 
 
 
 def test_a_rank_on_a_gpu_leaves_two_cores_to_issue_work_and_copies():
-    from runtime.optim import host_threads
+    from harmony_opt.runtime.optim import host_threads
 
     cores = len(os.sched_getaffinity(0))
     assert host_threads(1, "cpu") == cores and host_threads(1, "cuda") == max(1, cores - 2)
@@ -253,7 +253,7 @@ def test_dropout_masks_replay_on_recompute():
 def test_offload_moves_only_what_lives_on_the_compute_device():
     """Saved tensors off the compute device stay where they are (attention's dropout seed and
     offset on the CPU, read there by the backward); the others get host copies."""
-    from runtime.graph import Offload
+    from harmony_opt.runtime.graph import Offload
 
     seed = torch.tensor([7, 0])
     kept = Offload({}, torch.device("cuda"))       # nothing moves: runs without CUDA
@@ -308,7 +308,7 @@ def test_memory_guard_of_a_rank_process_reaches_the_caller(monkeypatch):
     """Rank 1 needs more than the cap, rank 0 less: train refuses before step 0; and where the
     sizes are not checked first, rank 1's guard error comes back with its type, and the launcher
     stops rank 0 (blocked on a message rank 1 never sends)."""
-    import runtime.shapes
+    import harmony_opt.measure.shapes
 
     p = plan("vPP", 2, 8, 4, 4, [(0, 0), (1, 3)], [(0, 0), (1, 3), (4, 5)], 6)
     peaks = train(mlp(), p, steps=1, progress=False).peak_device_bytes
@@ -316,17 +316,17 @@ def test_memory_guard_of_a_rank_process_reaches_the_caller(monkeypatch):
     cap = (peaks[0] + peaks[1]) // 2
     with pytest.raises(RuntimeMemoryError, match=r"no step ran: rank 1: "):
         train(mlp(), p, steps=2, memory_cap=cap, progress=False)
-    monkeypatch.setattr(runtime.shapes, "measure_layer_bytes", lambda *a, **k: None)
+    monkeypatch.setattr(harmony_opt.measure.shapes, "measure_layer_bytes", lambda *a, **k: None)
     with pytest.raises(RuntimeMemoryError, match=rf"^rank 1: instruction \d+:\w+\[\d+-\d+\].* over the "
                                                  rf"memory cap of {cap} bytes"):
         train(mlp(), p, steps=2, memory_cap=cap, progress=False)
 
 
 def _executor(program: Program, model: LayeredModel):
-    from runtime.executor import Executor
-    from runtime.optim import PackOptimizers
-    from runtime.shapes import boundary_shapes
-    from runtime.worker import updated_packs
+    from harmony_opt.runtime.executor import Executor
+    from harmony_opt.runtime.optim import PackOptimizers
+    from harmony_opt.measure.shapes import boundary_shapes
+    from harmony_opt.runtime.worker import updated_packs
 
     x, y = model.make_batch(program.batch, torch.Generator().manual_seed(0))
     optim = PackOptimizers(model.layers, updated_packs(program, 0), SGD)
@@ -345,7 +345,7 @@ def test_executor_refuses_a_tensor_that_never_arrived():
 
 
 def test_unknown_instruction_kind_is_an_error(monkeypatch):
-    import runtime.executor as executor
+    import harmony_opt.runtime.executor as executor
 
     monkeypatch.delitem(executor._HANDLERS, Kind.ALL_REDUCE)
     monkeypatch.delitem(executor._HANDLERS, Kind.FREE)
@@ -357,7 +357,7 @@ def test_unknown_instruction_kind_is_an_error(monkeypatch):
 
 
 def test_rank_processes_preload_the_modules_of_the_layer_classes():
-    from runtime.worker import layer_modules
+    from harmony_opt.runtime.worker import layer_modules
 
     assert layer_modules(mlp().layers) == ["harmony_opt.measure.decompose"]       # torch's own modules are preloaded anyway
     assert "transformers.models.gpt2.modeling_gpt2" in layer_modules(gpt2().layers)

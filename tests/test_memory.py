@@ -23,8 +23,8 @@ from harmony_opt.core.plan import Plan
 from harmony_opt.measure.profiler import profile_model
 from harmony_opt.compile.validate import validate_program
 from harmony_opt.training import train
-from runtime.shapes import measure_layer_bytes
-from solver_models.planner import PlannerOptions, plan as cp_plan
+from harmony_opt.measure.shapes import measure_layer_bytes
+from harmony_opt.solver_models.planner import PlannerOptions, plan as cp_plan
 
 MODELS = ("gpt2-tiny", "bert-tiny", "vgg-tiny")
 PLANNERS = ("cp-sat", "harmony", "harmony/harmony-cost", "naive-swap", "l2l")

@@ -9,10 +9,10 @@ from harmony_opt.compile.compiler import compile_plan
 from harmony_opt.core.plan import split_microbatches
 from harmony_opt.compile.validate import validate_program
 from harmony_opt.sim.simulator import simulate
-from solver_models import search
-from solver_models.planner import PlannerOptions, plan
-from solver_models.tasks import Config, build_tasks, stashable_layers
-from solver_models.timing import evaluate, packs_of, sequence_of_plan
+from harmony_opt.solver_models import search
+from harmony_opt.solver_models.planner import PlannerOptions, plan
+from harmony_opt.solver_models.tasks import Config, build_tasks, stashable_layers
+from harmony_opt.solver_models.timing import evaluate, packs_of, sequence_of_plan
 
 from conftest import synthetic_profile
 from planner_cases import instance, stash_friendly
@@ -24,7 +24,7 @@ def test_chains_that_keep_gradients_on_the_gpu_are_searched_in_their_own_model(m
     finds chains the search on the model without kept gradients does not: a faster plan, and the
     configuration's gap within 2 % (8.014 s and 0.29 %; 8.120 s and 2.67 % when only the plain model's
     chains are judged with kept gradients, at this limit)."""
-    import solver_models.steps.select as select
+    import harmony_opt.solver_models.steps.select as select
     prof, hw, cap = load_profile("vgg416"), get_hardware("1080ti-x4"), 10 * 2**30
     opts = PlannerOptions(mode="vDP", gpus=4, time_limit=5, uneven=True)
     searched = plan(prof, hw, 64, opts, memory_cap=cap)
@@ -45,9 +45,9 @@ def test_chains_that_keep_gradients_on_the_gpu_are_priced_within_the_hosts_memor
     this host from about --time-limit 12, 8.194 s with gradients kept on the GPU.)"""
     import dataclasses
     from harmony_opt.sim.host_memory import require_fits
-    from solver_models import budget, state
-    from solver_models.steps import first, select
-    from solver_models.tasks import Config
+    from harmony_opt.solver_models import budget, state
+    from harmony_opt.solver_models.steps import first, select
+    from harmony_opt.solver_models.tasks import Config
     prof, cap = load_profile("vgg416"), 10 * 2**30
     hw = dataclasses.replace(get_hardware("1080ti-x4"), host_memory_bytes=26 * 2**30, pinned_memory_bytes=26 * 2**30)
     S = state.Search(prof, hw, 64, cap, PlannerOptions(mode="vDP", gpus=4, uneven=True), budget.Budget(10.0),
@@ -295,8 +295,8 @@ def test_a_model_whose_state_exceeds_the_pinnable_host_memory_is_explained():
 def test_polish_ends_at_a_local_optimum_of_the_simulator_without_simulating_a_plan_twice(gpus, mode):
     """With budget to spare the descent stops where no neighbour simulates faster (one it skipped
     as already simulated was slower than the best then, and so now), having simulated each plan once."""
-    from solver_models import budget, state
-    from solver_models.steps import select
+    from harmony_opt.solver_models import budget, state
+    from harmony_opt.solver_models.steps import select
     prof, hw, cap, cfg = instance(14, 3, 2, 2, 0.4, gpus, mode=mode)
     S = state.Search(prof, hw, 8, cap, PlannerOptions(mode=mode, gpus=gpus), budget.Budget(1000.0), lambda s: None, {})
     tasks = build_tasks(prof, hw, 8, cfg, cap)
@@ -318,7 +318,7 @@ def test_the_judge_charges_the_events_its_simulator_played(cost_model):
     """The budget counts a simulated plan by the events played (Harmony's simulator plays 4-8x
     more than one per task), so the search's share of the time limit is what it spent."""
     from harmony_opt.harmony import simulate_harmony
-    from solver_models import budget, state
+    from harmony_opt.solver_models import budget, state
     prof, hw = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2)
     hp = plan_harmony(prof, hw, 16, hw.gpu_memory_bytes, mode="vPP", gpus=2, cost_model=cost_model)
     S = state.Search(prof, hw, 16, hw.gpu_memory_bytes, PlannerOptions(cost_model=cost_model), budget.Budget(10.0),

@@ -8,9 +8,9 @@ from harmony_opt import get_hardware, load_profile
 from harmony_opt.planners.baselines import plan_harmony
 from harmony_opt.core.plan import Plan
 from harmony_opt.sim.simulator import simulate
-from solver_models import chain, dp, pipeline, search
-from solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts
-from solver_models.timing import evaluate, pack_starts, packs_of, phase_parts, sequence_of, sequence_of_plan
+from harmony_opt.solver_models import chain, dp, pipeline, search
+from harmony_opt.solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts
+from harmony_opt.solver_models.timing import evaluate, pack_starts, packs_of, phase_parts, sequence_of, sequence_of_plan
 
 from conftest import synthetic_profile
 from planner_cases import every_plan, instance, stashed

@@ -147,7 +147,7 @@ def test_program_for_another_plan_is_refused():
 
 
 def test_program_sized_for_another_model_is_refused():
-    from runtime.shapes import measure_layer_bytes
+    from harmony_opt.measure.shapes import measure_layer_bytes
 
     wide = mlp()
     wide.layers[1] = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh())

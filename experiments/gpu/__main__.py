@@ -147,7 +147,7 @@ def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
     from harmony_opt.sim.bound import lower_bound
     from harmony_opt.core.hardware import get_hardware
     from harmony_opt.sim.simulator import simulate
-    from solver_models.planner import PlannerOptions, plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan
 
     for w, cap, batch, foot, prof in cases(P, workloads, caps):
         d = P.case(w, cap)

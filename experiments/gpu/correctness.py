@@ -31,7 +31,7 @@ def _plan(mode, batch, uf, ub, fwd, bwd, R, options=(), gpu_handoff=False) -> Pl
 def cases(quick: bool):
     """(name, model name, overrides, plan, optimizer factory); packs cut at fixed layers, the last to the loss."""
     from harmony_opt.measure.models import layer_count
-    from runtime.optim import make_factory
+    from harmony_opt.runtime.optim import make_factory
 
     gpt = ("gpt2-tiny", {}) if quick else ("gpt2-medium", {"n_layer": 4, "sequence_length": 128, "dropout": 0.0})
     adam = functools.partial(torch.optim.Adam, lr=1e-4)

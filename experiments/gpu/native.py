@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from harmony_opt.measure.decompose import run_layers
-from runtime.optim import make_factory
+from harmony_opt.runtime.optim import make_factory
 
 
 class Chain(nn.Module):

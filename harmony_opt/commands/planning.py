@@ -153,7 +153,7 @@ def solver_summary(s: dict) -> list[str]:
                    + (f", {s['out_of_budget']} not reached in the time limit" if s.get("out_of_budget") else "") + ")")
     t = s.get("timeline")
     if t and t.get("objective") is not None:
-        from solver_models.event_schedule import HINT
+        from harmony_opt.solver_models.event_schedule import HINT
         source = "no schedule found in its time: the simulator's" if t["status"] == HINT else \
             f"CP-SAT {t['status'].lower()}"
         o = t.get("transfer_order")
@@ -200,7 +200,7 @@ def _outputs(args, output_example: str = "plan.json") -> None:
 
 
 def _plan(args):
-    from solver_models.planner import PlannerOptions, plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan
     profile, hw = _inputs(args)
     _outputs(args)
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, wall_limit=args.wall_limit,
@@ -309,7 +309,7 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
 
     ``planners``: names to run (default all: cp-sat and the baselines), so a caller that
     sweeps modes runs the mode-independent baselines once."""
-    from solver_models.planner import PlannerOptions, plan as cp_plan
+    from harmony_opt.solver_models.planner import PlannerOptions, plan as cp_plan
 
     from ..planners.baselines import PLANNERS, get_planner
     from ..sim.bound import lower_bound

@@ -66,7 +66,7 @@ def _compile(args):
     if args.model:
         import torch
 
-        from runtime.shapes import measure_layer_bytes
+        from harmony_opt.measure.shapes import measure_layer_bytes
 
         from ..training import check_plan
 

@@ -172,7 +172,7 @@ def _host_memory() -> int:
 def _optimizer_bandwidth(dev: torch.device, numel: int, steps: int = 3) -> float:
     """Bytes of W + dW + Adam state (4 x the weights) an Adam step processes per second on ``dev``,
     built and (on the CPU) threaded as the runtime's optimizer of one rank on this machine."""
-    from runtime.optim import host_threads, intra_op_threads, make_factory
+    from harmony_opt.runtime.optim import host_threads, intra_op_threads, make_factory
 
     w = torch.zeros(numel, device=dev, requires_grad=True)
     w.grad = torch.full_like(w, 1e-3)

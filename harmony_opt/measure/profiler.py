@@ -85,7 +85,7 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
     if model.num_layers < 2:
         raise UsageError(f"model {model.name} has {model.num_layers} layer(s); it needs at least a body and a loss")
 
-    from runtime.optim import host_threads
+    from harmony_opt.runtime.optim import host_threads
 
     threads = host_threads(1, dev.type, torch.get_num_threads())   # as the runtime's optimizer steps on one rank
     gen = torch.Generator().manual_seed(seed)
@@ -350,7 +350,7 @@ def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 3
     (``runtime.optim.make_factory``: fused where torch has it), with ``threads``
     intra-op threads (default: as set).
     """
-    from runtime.optim import intra_op_threads, make_factory
+    from harmony_opt.runtime.optim import intra_op_threads, make_factory
 
     if not params:
         return 0.0
@@ -387,7 +387,7 @@ def _cpu_model() -> str | None:
 
 def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, warmup: int,
           skipped: list[str], threads: int, target_bytes: float = 0.0) -> dict:
-    from runtime.optim import fused_on_cpu
+    from harmony_opt.runtime.optim import fused_on_cpu
 
     from .. import __version__
 

@@ -1,4 +1,4 @@
-"""What the runtime learns about a model from one sample, before any training step.
+"""What the runtime needs to know about a model, measured from one sample before any training step.
 
 :func:`boundary_shapes` runs the chain once on a single sample (eval mode, no grad, so
 no statistics change) and records the shape and dtype of every layer's input: a rank
@@ -15,8 +15,9 @@ import contextlib
 import torch
 from torch import nn
 
-from harmony_opt.core.errors import DataError
-from harmony_opt.compile.program import LayerBytes
+from ..compile.program import LayerBytes
+from ..core.errors import DataError
+from .profiler import saved_counts
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
 
@@ -101,8 +102,6 @@ def measure_layer_bytes(layers: list[nn.Module], inputs: torch.Tensor, targets: 
 
 def _per_sample(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor, n: int) -> list[list[float]]:
     """Input bytes and the four saved counts (profiler.saved_counts) of every layer on ``n`` samples."""
-    from harmony_opt.measure.profiler import saved_counts
-
     R = len(layers)
     cols: list[list[float]] = [[], [], [], [], []]
     # copies, not views: a view of the minibatch would be priced as the minibatch's whole storage
