@@ -53,6 +53,16 @@ class Progress(cp_model.CpSolverSolutionCallback):
                         f"(bound {self.best_objective_bound / TICKS_PER_S:.4f} s, {self.wall_time:.2f} s)")
 
 
+#: Wall seconds a solve may run, per deterministic second of its limit and in all, before the guard
+#: stops it: far above what any solve takes, so that the deterministic limit always binds first and
+#: the same inputs give the same plan on a loaded machine too. A deterministic second of the
+#: timeline model costs 0.4-11 wall seconds on an idle 2-core machine (budget.timeline_slowness) and
+#: three times that with four other processes on it; a guard of 4x (as before) let the wall decide
+#: there, and the same inputs gave different plans (tests/test_planner.py, test_same_seed_same_plan).
+WALL_GUARD_PER_S = 60.0
+WALL_GUARD_S = 60.0
+
+
 def complete_hint(model: cp_model.CpModel, fixed: dict) -> bool:
     """Hint every variable of ``model``: fix the ``fixed`` Booleans ({var: value}) in a copy, solve
     it (the rest follows by propagation and a tiny search) and hint the whole solution. A
@@ -61,7 +71,10 @@ def complete_hint(model: cp_model.CpModel, fixed: dict) -> bool:
     for var, value in fixed.items():
         probe.add(probe.get_bool_var_from_proto_index(var.index) == int(value))
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = 5.0
+    # deterministic, as every solve here (a wall-clock limit would make the hint, and so the plan,
+    # depend on the machine's load); the wall limit is a guard only
+    solver.parameters.max_deterministic_time = 5.0
+    solver.parameters.max_time_in_seconds = WALL_GUARD_PER_S * 5.0 + WALL_GUARD_S
     solver.parameters.num_workers = 1
     if solver.solve(probe) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return False
@@ -79,7 +92,7 @@ def solver(*, time_limit: float, seed: int, workers: int, rel_gap: float, wall_l
     s = cp_model.CpSolver()
     p = s.parameters
     p.max_deterministic_time = float(time_limit)
-    p.max_time_in_seconds = 4.0 * float(time_limit) + 5.0     # a guard only; the deterministic limit binds first
+    p.max_time_in_seconds = WALL_GUARD_PER_S * float(time_limit) + WALL_GUARD_S   # a guard only (WALL_GUARD_PER_S)
     if wall_limit is not None:
         p.max_time_in_seconds = max(0.0, min(p.max_time_in_seconds, float(wall_limit)))
     p.num_workers = int(workers)
