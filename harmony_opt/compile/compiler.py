@@ -51,6 +51,7 @@ import networkx as nx
 
 from ..core.errors import PlanError
 from ..core.kinds import TaskKind, Tensor
+from ..core.placement import placement
 from ..core.plan import Plan, in_order, transfer_key
 from .program import CHANNELS, Effects, Instr, Kind, LayerBytes, Program, Stream, effects, plan_identity
 
@@ -71,18 +72,17 @@ class Task:
 
 
 def build_tasks(plan: Plan) -> list[list[Task]]:
-    """Harmony's order and placement: one task list for vPP, one per rank (all on that rank) for vDP."""
-    nF, N = len(plan.packs_fwd), plan.gpus
+    """Harmony's order and placement (core.placement, the simulator's rule), the UPD tasks left out:
+    one task list for vPP, one per rank (all on that rank) for vDP."""
+    copy = [p for p in placement(plan) if p.kind is not TaskKind.UPD]
 
-    def copy(rank_of_f, rank_of_b):
-        fwd = [Task(TaskKind.FWD, i, p, rank_of_f(i)) for i, p in enumerate(plan.packs_fwd)]
-        bwd = [Task(TaskKind.BWD, nF + k, plan.packs_bwd[j], rank_of_b(k), j)
-               for k, j in enumerate(reversed(range(len(plan.packs_bwd))))]
-        return fwd + bwd
+    def tasks(rank_of):
+        return [Task(p.kind, i, p.pack, rank_of(p), p.bwd_index if p.kind is TaskKind.BWD else None)
+                for i, p in enumerate(copy)]
 
     if plan.mode == "vPP":
-        return [copy(lambda i: i % N, lambda k: (nF + k) % N)]
-    return [copy(lambda i, n=n: n, lambda k, n=n: n) for n in range(N)]
+        return [tasks(lambda p: p.rank)]
+    return [tasks(lambda p, n=n: n) for n in range(plan.gpus)]
 
 
 def microbatch_rows(plan: Plan, phase: str, rank: int) -> tuple[Rows, ...]:

@@ -9,6 +9,7 @@ import networkx as nx
 
 from ..core.errors import PlanError
 from ..core.kinds import Medium, TaskKind, Tensor
+from ..core.placement import vpp_rank
 from .packing import Packs, data_shares, split_microbatches
 
 
@@ -83,12 +84,9 @@ def compose_task_graph(mode: str, gpus: int, batch: int, num_layers: int, u_fwd:
 
 
 def _rank(k: int, kind: TaskKind, nF: int, gpus: int) -> int:
-    """vPP round-robin: FWD i on i mod N; the k-th BWD (and its UPD) on (nF + k) mod N."""
-    if kind is TaskKind.FWD:
-        return k % gpus
-    if kind is TaskKind.BWD:
-        return (nF + (k - nF) // 2) % gpus
-    return (nF + (k - 1 - nF) // 2) % gpus
+    """vPP's placement (core.placement.vpp_rank) of the k-th task of Harmony's list, whose backward
+    tasks are each followed by their update."""
+    return vpp_rank(kind, k if kind is TaskKind.FWD else (k - nF - (kind is TaskKind.UPD)) // 2, nF, gpus)
 
 
 def _task_ports(k, kind, a, b, base, ranks, R, fwd_of, bwd_first) -> tuple[list[Port], list[Port]]:

@@ -2,11 +2,10 @@
 
 Harmony (HARMONY_REFERENCE.md section 5) turns a plan into three kinds of tasks: the
 forward of a pack (F), its backward with the recompute (B) and the optimizer step of
-its weights (U). Their order is the same in both modes: the forward packs ascending,
-then the backward packs from the last to the first, each followed by its update. In vPP
-one list is dealt round-robin over the GPUs (the k-th forward on GPU ``k mod N``, the k-th
-backward on ``(nF + k) mod N``, an update on its backward's rank); in vDP every GPU runs
-the whole list on its share of the minibatch (one *replica* per GPU). With naive
+its weights (U), in the order and on the GPUs of core/placement.py (the rule the compiler and
+Harmony's scheduler follow too): the forward packs ascending, then the backward packs from the
+last to the first, each followed by its update, dealt round-robin over the GPUs in vPP; in vDP
+every GPU runs the whole list on its share of the minibatch (one *replica* per GPU). With naive
 swapping (``input_batch_grouping: false``) each microbatch *sweeps* the whole list.
 
 Each task lists its inputs and outputs as :class:`Flow` s: the tensor (weights W,
@@ -47,6 +46,7 @@ import numpy as np
 from ..core.errors import PlanError
 from ..core.hardware import Hardware
 from ..core.kinds import Medium, TaskKind, Tensor
+from ..core.placement import Placement, placement
 from ..core.plan import Plan, data_shares, split_microbatches
 from ..core.profile import Profile
 
@@ -100,19 +100,6 @@ class Flow(NamedTuple):
         return sum(self.nbytes)
 
 
-class Placement(NamedTuple):
-    """A task of Harmony's order for one copy (vDP: every replica's list is the same, on its own GPU)."""
-
-    kind: TaskKind
-    index: int                  # position in the order
-    pack: tuple[int, int]
-    rank: int
-    bwd_index: int = -1         # the pack's index in plan.packs_bwd (B and U)
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}[{self.pack[0]}-{self.pack[1]}]@{self.rank}"
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class TaskNode:
     """A task with everything the simulator needs: where it runs, its microbatches and its flows."""
@@ -149,26 +136,6 @@ class TaskNode:
                 "replica": self.replica, "sweep": self.task.sweep, "bwd_index": self.bwd_index,
                 "device": self.device, "microbatches": self.microbatches, "inputs": self.inputs,
                 "outputs": self.outputs, "memory": self.memory}
-
-
-# -- order and placement ---------------------------------------------------------------------------
-def placement(plan: Plan) -> list[Placement]:
-    """Harmony's task order and placement (HARMONY_REFERENCE.md 5.1-5.2), for one copy.
-
-    FWD packs ascending, then BWD packs from last to first, each followed by its UPD.
-    vPP: the k-th FWD on GPU k mod N, the k-th BWD on (nF + k) mod N and its UPD with it;
-    vDP: rank 0's copy (every rank runs the same list on its data share).
-    """
-    n = plan.gpus if plan.mode == "vPP" else 1
-    out = []
-    nf = len(plan.packs_fwd)
-    for k, p in enumerate(plan.packs_fwd):
-        out.append(Placement(TaskKind.FWD, len(out), p, k % n))
-    for k, bi in enumerate(reversed(range(len(plan.packs_bwd)))):
-        rank = (nf + k) % n
-        out.append(Placement(TaskKind.BWD, len(out), plan.packs_bwd[bi], rank, bi))
-        out.append(Placement(TaskKind.UPD, len(out), plan.packs_bwd[bi], rank, bi))
-    return out
 
 
 def task_memory(plan: Plan, prof: Profile, kind: TaskKind, pack: tuple[int, int], bwd_index: int = -1,
