@@ -243,8 +243,9 @@ def _infeasible(profile, cand_f, cand_b, cap, m_fwd, m_bwd) -> dict:
     layer = int(np.argmax(need))
     worst = int(need[layer])
     if worst >= cap:
+        where = "is over" if worst > cap else "must be strictly below (Harmony's packing rule)"
         msg = (f"{profile.name}: layer {layer} needs {worst} bytes ({worst / GiB:.2f} GiB) for its backward at "
-               f"microbatch {u}, the smallest searched size, but the memory cap is {int(cap)} bytes "
+               f"microbatch {u}, the smallest searched size, which {where} the memory cap of {int(cap)} bytes "
                f"({cap / GiB:.2f} GiB); no packing fits")
         return dict(message=msg, layer=layer, microbatch=u, needed_bytes=worst, cap_bytes=int(cap))
     uf = next((f for f in cand_f if f >= u), cand_f[-1])
