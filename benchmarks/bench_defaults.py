@@ -5,9 +5,9 @@ For the six Table 1 cases
 (D = 64, 4 GPUs, cap 9e9 bytes for bert_96 and gpt2_xl, 10 GiB otherwise), with the mode free
 and with vPP fixed, each run plans under the same work budget:
 
-* ``default``: no flag (microbatch sizes dividing the minibatch, per-pack options, gradients kept on
-  the GPU where a chain allows it, Harmony's plan as warm start);
-* ``uneven``: ``--uneven``, any microbatch size (the last microbatch then smaller);
+* ``default``: no flag (any microbatch size, those dividing the minibatch first; per-pack options,
+  gradients kept on the GPU where a chain allows it, Harmony's plan as warm start);
+* ``even``: ``--even``, only microbatch sizes that divide the minibatch;
 * ``no_handoff``: ``--no-gpu-handoff``;
 * ``no_hint``: ``--no-hint``.
 
@@ -33,7 +33,7 @@ from harmony_opt.solver_models.planner import PlannerOptions, plan
 
 GiB = 2**30
 MODELS = ("bert_large", "bert_96", "gpt2_medium", "gpt2_xl", "vgg416", "resnet1026")
-FLAGS = {"default": {}, "uneven": {"uneven": True}, "no_handoff": {"gpu_handoff": False}, "no_hint": {"hint": False}}
+FLAGS = {"default": {}, "even": {"uneven": False}, "no_handoff": {"gpu_handoff": False}, "no_hint": {"hint": False}}
 
 
 def run_case(model: str, mode: str, time_limit: float, processes: int) -> dict:

@@ -27,7 +27,8 @@ class PlannerOptions:
                                     # the simulator's descent: the same plan, sooner (processes)
     rel_gap: float = 1e-3
     harmony_space: bool = False     # Harmony's space: its mode and GPUs, u_fwd >= u_bwd, sizes dividing the batch
-    uneven: bool = False            # allow microbatch sizes that do not divide the batch
+    uneven: bool = True             # also microbatch sizes that do not divide the batch (searched after those
+                                    # that do: first_solutions' tiers); False: dividing sizes only
     hint: bool = True               # warm start from Harmony's search
     options: bool = True            # search per-pack recompute/stash and CPU/GPU optimizer (off in harmony_space)
     cost_model: str = "default"     # the simulator that judges candidates: default | harmony

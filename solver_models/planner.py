@@ -182,8 +182,7 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
         hint_work = S.budget.used
 
         # 2. configurations in the order of their cheap bound, the hint's first (its value prunes early);
-        # the bound is computed for those the search reaches (in_bound_order), each with the number of
-        # bounds computed up to it, which first_solutions charges as it takes them
+        # the bound is computed for those the search reaches (in_bound_order)
         configs = configurations(profile, hw, batch, opts)
         S.budget.spend(Budget.PER_FLOOR * len(configs))
         floor = {c: compute_floor(profile, hw, batch, c, S.cap, S.stash(c)) for c in configs}
@@ -193,12 +192,22 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
         def bound(c: Config) -> float:
             computed[0] += 1
             return config_bound(profile, hw, batch, c, S.cap, S.stash(c))
-        ordered = ((c, b, computed[0]) for c, b in in_bound_order(configs, floor, bound,
-                                                                  None if incumbent is None else Config.of(incumbent)))
-        S.say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound")
+        # the sizes that divide the minibatch first; the uneven ones after, with what that leaves of the
+        # share and pruned by its best; each with the number of bounds computed up to it, which
+        # first_solutions charges as it takes them
+        hint_cfg = None if incumbent is None else Config.of(incumbent)
+        even = set(configurations(profile, hw, batch, dataclasses.replace(opts, uneven=False)))
+        tiers = []
+        for tier in ([c for c in configs if c in even], [c for c in configs if c not in even]):
+            if tier:
+                ordered = ((c, b, computed[0]) for c, b in in_bound_order(tier, floor, bound,
+                                                                      hint_cfg if hint_cfg in tier else None))
+                tiers.append((ordered, len(tier), min(floor[c] for c in tier)))
+        S.say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound"
+              + (f", the {len(even & set(configs))} whose sizes divide the minibatch first" if len(tiers) > 1 else ""))
         stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
 
-        found, open_bound = first_solutions(S, ordered, len(configs), incumbent, stats)
+        found, open_bound = first_solutions(S, tiers, incumbent, stats)
         if not found and incumbent is None:
             raise S.infeasible()
         local_search(S, found)                                                           # 3

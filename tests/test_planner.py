@@ -353,3 +353,45 @@ def test_under_harmonys_cost_model_the_full_space_never_loses_to_harmonys_space(
     assert full.simulated_iteration_time_s <= best * (1 + 1e-9)
     assert full.solver["speedup_over_harmony"] == pytest.approx(
         full.solver["harmony_time_s"] / full.simulated_iteration_time_s)
+
+
+def test_sizes_dividing_the_minibatch_are_visited_first_then_the_others(monkeypatch):
+    """The default searches uneven microbatch sizes too, after the even ones: its first solutions
+    begin with exactly those of the even-only search (``--even``), so the wider space never costs
+    the even configurations their first solutions, and uneven ones do follow."""
+    from harmony_opt.solver_models.steps import first
+    prof = synthetic_profile(R=10, seed=4)
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+    cap = int(prof.costs("BWD", 4).pack_memory(0, 9) * 0.5)
+    visited, real = [], first._first_of
+
+    def spy(S, cfg, *a):
+        visited.append(cfg)
+        return real(S, cfg, *a)
+    monkeypatch.setattr(first, "_first_of", spy)
+    runs = {}
+    for uneven in (False, True):
+        visited.clear()
+        plan(prof, hw, 10, PlannerOptions(time_limit=3, uneven=uneven, hint=False), memory_cap=cap)
+        runs[uneven] = list(visited)
+    even, wide = runs[False], runs[True]
+    share = {"vPP": 10, "vDP": 5}       # the minibatch of 10 samples on one GPU's data share
+    divides = [share[c.mode] % c.u_fwd == 0 and share[c.mode] % c.u_bwd == 0 for c in wide]
+    assert wide[:len(even)] == even and all(divides[:len(even)])
+    assert len(wide) > len(even) and not all(divides)
+    assert divides == sorted(divides, reverse=True)       # no even one after an uneven one
+
+
+def test_uneven_sizes_are_searched_only_where_the_last_microbatch_is_profiled():
+    """A profile measured from microbatch 3 up: with 7 samples, size 4 leaves a last microbatch of 3
+    (searched) and size 5 one of 2 (not profiled, so not searched); the plan never asks the profile
+    for a size it does not have (it raised ProfileError)."""
+    from harmony_opt.fuzzing import random_profile
+    from harmony_opt.planners.baselines import feasible_sizes
+    prof = random_profile(1, 0)
+    assert prof.size_range("BWD")[0] == 3
+    assert feasible_sizes(prof, 7, "vPP", 1, "BWD", divisors_only=False) == [4, 7]
+    assert feasible_sizes(prof, 4, "vPP", 1, "BWD", divisors_only=False) == [4]
+    hw = get_hardware("1080ti-x4").with_gpus(1)
+    p = plan(prof, hw, 7, PlannerOptions(time_limit=1, hint=False), memory_cap=hw.gpu_memory_bytes)
+    assert all(m >= 3 for m in split_microbatches(7, p.microbatch_bwd) + split_microbatches(7, p.microbatch_fwd))

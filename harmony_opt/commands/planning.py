@@ -44,7 +44,9 @@ def register(sub):
     p.add_argument("--no-hint", action="store_true", help="do not warm-start from Harmony's search")
     p.add_argument("--harmony-space", action="store_true",
                    help="restrict to Harmony's decisions (u_fwd >= u_bwd, sizes dividing D, recompute, CPU optimizer)")
-    p.add_argument("--uneven", action="store_true", help="allow microbatch sizes that do not divide the minibatch")
+    p.add_argument("--even", action="store_true",
+                   help="only microbatch sizes that divide the minibatch (by default the others are searched "
+                        "too, after these; the last microbatch is then smaller)")
     p.add_argument("--no-gpu-handoff", action="store_true",
                    help="hand every gradient between backward packs through host memory, as Harmony does")
     p.add_argument("--no-compare", action="store_true", help="do not run the baselines after planning")
@@ -206,7 +208,7 @@ def _plan(args):
     opts = PlannerOptions(mode=args.mode, gpus=args.gpus, time_limit=args.time_limit, wall_limit=args.wall_limit,
                           seed=args.seed, workers=args.workers, hint=not args.no_hint,
                           processes=usable_cores(4) if args.processes is None else args.processes,
-                          harmony_space=args.harmony_space, uneven=args.uneven, cost_model=args.cost_model,
+                          harmony_space=args.harmony_space, uneven=not args.even, cost_model=args.cost_model,
                           gpu_handoff=not args.no_gpu_handoff)
     report = None if args.quiet else print
     p = plan(profile, hw, args.batch, opts, memory_cap=hw.gpu_memory_bytes, report=report)

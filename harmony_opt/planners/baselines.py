@@ -56,10 +56,13 @@ def played(plan: Plan, profile: Profile, hw: Hardware, cost_model: str = "defaul
 
 def feasible_sizes(profile: Profile, batch: int, mode: str, gpus: int, phase: str = "BWD",
                    divisors_only: bool = True) -> list[int]:
-    share = batch if mode == "vPP" else min(data_shares(batch, gpus))
+    """Microbatch sizes of ``phase`` to search: those up to one GPU's share whose every microbatch,
+    the smaller last one of an uneven split included, is a profiled size (``divisors_only``: only
+    sizes dividing every share)."""
+    shares = data_shares(batch, gpus) if mode == "vDP" else [batch]
     lo, hi = profile.size_range(phase)
-    return [u for u in range(lo, min(hi, share) + 1)
-            if not divisors_only or all(s % u == 0 for s in (data_shares(batch, gpus) if mode == "vDP" else [batch]))]
+    return [u for u in range(lo, min(hi, min(shares)) + 1)
+            if all(s % u == 0 if divisors_only else lo <= min(split_microbatches(s, u)) for s in shares)]
 
 
 def iteration_floor(plan: Plan, profile: Profile, hw: Hardware) -> float:

@@ -46,40 +46,56 @@ def harmony_hint(S: Search) -> Plan | None:
     return best
 
 
-def first_solutions(S: Search, ordered, total: int, incumbent: Plan | None, stats: dict):
-    """Step 2: a first solution per configuration in bound order (``ordered``: (configuration,
-    bound, bounds computed so far) triples, ``total`` of them), until the bound reaches the best model
-    value (the rest is pruned) or the budget share runs out. Returns (candidates, the least bound of
-    the configurations not reached).
+def first_solutions(S: Search, tiers, incumbent: Plan | None, stats: dict):
+    """Step 2: a first solution per configuration, tier after tier (``tiers``: (ordered, count, least
+    floor) per tier; ``ordered`` yields (configuration, bound, bounds computed so far) triples in
+    bound order), until in each tier the bound reaches the best model value (the rest of the tier
+    is pruned) or the budget share runs out. Returns (candidates, the least bound of the
+    configurations not reached).
+
+    Tiers put the configurations that are most often best first (the sizes that divide the
+    minibatch) without leaving out the others: those get what the first tier leaves of the share,
+    and its best value prunes them.
 
     With other processes (S.pool), the next configurations' first solutions are computed ahead,
     one per process, as in ``_first_ahead``; each is charged and checked here in order as if it
     were computed here, and those the search does not reach are dropped."""
     hint_cfg = None if incumbent is None else Config.of(incumbent)
-    found, best_value = [], float("inf")
+    found, best = [], [float("inf")]
+    charged, done, total = [0], [0], sum(count for _, count, _ in tiers)
+    for k, (ordered, count, _) in enumerate(tiers):
+        out = _first_tier(S, ordered, count, incumbent, hint_cfg, stats, found, best, charged, done, total)
+        if out is not None:         # out of budget: this tier's least bound not reached, and the later tiers'
+            stats["out_of_budget"] += sum(c for _, c, _ in tiers[k + 1:])
+            return found, min([out] + [least for _, _, least in tiers[k + 1:]])
+    return found, float("inf")
+
+
+def _first_tier(S: Search, ordered, count: int, incumbent, hint_cfg, stats, found, best, charged, done, total):
+    """One tier of first_solutions; the least bound not reached where the budget ran out, else None."""
     stream, queued, ahead = iter(ordered), collections.deque(), {}
-    charged = 0
-    for i in range(total):
+    for i in range(count):
         while S.pool is not None and len(queued) <= S.opts.processes:      # the next ones, ahead
             item = next(stream, None)
             if item is None:
                 break
             queued.append(item)
-            if item[1] < best_value:        # not where the bound prunes it already
+            if item[1] < best[0]:        # not where the bound prunes it already
                 ahead[item[0]] = S.pool.submit(_first_ahead, item[0], incumbent, hint_cfg)
         item = queued.popleft() if queued else next(stream, None)
         if item is None:
             break
         cfg, cfg_bound, computed = item
-        S.budget.spend(Budget.PER_BOUND * (computed - charged))     # where it is taken, not read ahead
-        charged = computed
-        if cfg_bound >= best_value:
-            stats["pruned"] += total - i
+        S.budget.spend(Budget.PER_BOUND * (computed - charged[0]))     # where it is taken, not read ahead
+        charged[0] = computed
+        if cfg_bound >= best[0]:
+            stats["pruned"] += count - i
             break
         if S.budget.left(0.45) <= 0 and found:     # at least one, where the hint took the share
-            stats["out_of_budget"] += total - i
+            stats["out_of_budget"] += count - i
             _drop(ahead)
-            return found, cfg_bound
+            return cfg_bound
+        done[0] += 1
         r = ahead.pop(cfg).result() if cfg in ahead else None
         if r is None:
             tasks, first = _first_of(S, cfg, incumbent, hint_cfg)
@@ -106,11 +122,11 @@ def first_solutions(S: Search, ordered, total: int, incumbent: Plan | None, stat
         found.append(Candidate(cfg, tasks, seq, value, bound, cfg_bound if kept else bound,
                                 "dp" if dp_bound is not None else "balanced",
                                 tight=not (chain_ and S.stash(cfg)), tight_floor=not kept))
-        if value < best_value:
-            best_value = value
-            S.say(f"[{i + 1}/{total}] {cfg}: model {value:.4f} s  <- best so far")
+        if value < best[0]:
+            best[0] = value
+            S.say(f"[{done[0]}/{total}] {cfg}: model {value:.4f} s  <- best so far")
     _drop(ahead)
-    return found, float("inf")
+    return None
 
 
 def _first_tasks(S: Search, cfg: Config, incumbent: Plan | None, hint_cfg: Config | None) -> Tasks:
