@@ -28,7 +28,7 @@ import pandas as pd
 from harmony_opt.core.bundled import load_profile
 from harmony_opt.core.hardware import get_hardware
 from harmony_opt.core.io import write_results
-from harmony_opt.reproduce import machine_description, markdown_table
+from harmony_opt.report import machine_description, markdown_table
 from harmony_opt.solver_models.planner import PlannerOptions, plan
 
 GiB = 2**30

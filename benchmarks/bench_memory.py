@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harmony_opt.planners.baselines import get_planner
+from harmony_opt.planners.registry import get_planner
 from harmony_opt.core.errors import HarmonyOptError, InfeasibleError
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.io import atomic_write_text
@@ -35,7 +35,6 @@ from harmony_opt.measure.models import build_model
 from harmony_opt.measure.profiler import profile_model
 from harmony_opt.sim.simulator import simulate
 from harmony_opt.training import train
-from harmony_opt.solver_models.planner import PlannerOptions, plan as cp_plan
 
 MODELS = ("gpt2-tiny", "bert-tiny", "vgg-tiny", "resnet-tiny")
 FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0, 5.0)
@@ -48,11 +47,12 @@ HARDWARE = Hardware(name="cpu-bench", gpus=1, gpu_memory_bytes=2**30, host_memor
 
 
 def make_plan(planner: str, prof, cap: int, time_limit: float):
-    if planner == "cp-sat":
-        return cp_plan(prof, HARDWARE, BATCH, PlannerOptions(time_limit=time_limit, processes=1), memory_cap=cap)
-    if planner == "harmony/harmony-cost":
-        return get_planner("harmony")(prof, HARDWARE, BATCH, cap, mode="vPP", cost_model="harmony")
-    return get_planner(planner)(prof, HARDWARE, BATCH, cap)
+    """``planner`` from the registry; "harmony/harmony-cost" is Harmony's search under its own cost model."""
+    name, _, variant = planner.partition("/")
+    kw = {"time_limit": time_limit, "processes": 1} if name == "cp-sat" else {}
+    if variant == "harmony-cost":
+        kw.update(mode="vPP", cost_model="harmony")
+    return get_planner(name)(prof, HARDWARE, BATCH, cap, **kw)
 
 
 def run(models, steps: int, time_limit: float) -> pd.DataFrame:

@@ -37,11 +37,11 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from harmony_opt.planners.baselines import get_planner
+from harmony_opt.planners.registry import get_planner
 from harmony_opt.core.bundled import load_profile
 from harmony_opt.core.hardware import get_hardware
 from harmony_opt.core.io import write_results
-from harmony_opt.reproduce import machine_description, markdown_table
+from harmony_opt.report import machine_description, markdown_table
 from harmony_opt.sim.simulator import simulate
 from harmony_opt.solver_models.planner import PlannerOptions, plan
 

@@ -47,7 +47,7 @@ def shapes():
 
 def child(name: str, time_limit: float) -> dict:
     """Plan one case in this process and report what the parent needs (one JSON line)."""
-    from harmony_opt.reproduce import scaling_hardware
+    from harmony_opt.core.hardware import scaling_hardware
     from harmony_opt.sim.simulator import simulate
     from harmony_opt.measure.synthetic import gpt2_profile
     from harmony_opt.solver_models.planner import PlannerOptions, plan
@@ -105,7 +105,7 @@ def main() -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from harmony_opt.core.io import atomic_write_text
-    from harmony_opt.reproduce import machine_description, markdown_table
+    from harmony_opt.report import machine_description, markdown_table
     rows = []
     for limit in limits:
         for name in shapes():

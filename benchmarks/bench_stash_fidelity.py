@@ -34,7 +34,7 @@ from harmony_opt.core.errors import PlanError
 from harmony_opt.core.hardware import get_hardware
 from harmony_opt.core.io import atomic_write_text
 from harmony_opt.core.plan import PackOptions, Plan, data_shares, split_microbatches
-from harmony_opt.reproduce import machine_description, markdown_table
+from harmony_opt.report import machine_description, markdown_table
 from harmony_opt.sim.simulator import simulate
 from harmony_opt.solver_models import dp, search
 from harmony_opt.solver_models.bounds import config_bound

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from harmony_opt.core.bundled import load_profile
 from harmony_opt.core.hardware import get_hardware
 from harmony_opt.core.io import atomic_write_text
-from harmony_opt.reproduce import machine_description, markdown_table
+from harmony_opt.report import machine_description, markdown_table
 from harmony_opt.sim.simulator import simulate
 from harmony_opt.solver_models.planner import PlannerOptions, plan
 from harmony_opt.solver_models.event_schedule import solve_timeline

@@ -103,8 +103,9 @@ def main(argv=None) -> int:
     # import every module a planner or the check uses before the workers fork, so that all examples run the
     # same code even when someone edits the tree during a soak of an hour
     import harmony_opt.planners.baselines, harmony_opt.harmony, harmony_opt.sim.simulator  # noqa: E401,F401
-    if "cp-sat" in planners:
-        import harmony_opt.solver_models.planner  # noqa: F401
+    from harmony_opt.planners.registry import PLANNERS
+    for name in planners:
+        PLANNERS[name].load()      # imports the planner's module (cp-sat's: harmony_opt.solver_models.planner)
     code = _code_state()
     t0 = time.perf_counter()
     jobs = [(i, args.seed, args.max_layers, args.large_fraction, args.time_limit, args.example_timeout,

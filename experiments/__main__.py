@@ -1,7 +1,8 @@
-"""`python -m experiments` from the repository root: every table and figure (`harmony-opt reproduce all`)."""
+"""`python -m experiments [table1|compare|scaling|servers|all] [options]` from the repository root
+(see experiments/cli.py, or `python -m experiments --help`)."""
 import sys
 
-from harmony_opt.cli import main
+from .cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["reproduce", "all", *sys.argv[1:]]))
+    sys.exit(main())

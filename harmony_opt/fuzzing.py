@@ -26,12 +26,13 @@ from .compile.program_memory import program_memory
 from .core.plan import Plan
 from .core.profile import Profile
 from .core.units import GB, GiB
-from .planners.baselines import get_planner, iteration_floor
+from .planners.baselines import iteration_floor
+from .planners.registry import BASELINES, PLANNERS, get_planner, planner_entry
 from .sim.host_memory import activation_ceiling, host_memory, model_host_memory
 from .sim.simulator import simulate
 
-PLANNER_NAMES = ("cp-sat", "harmony", "naive-swap", "l2l", "zero-offload")
-BASELINE_NAMES = PLANNER_NAMES[1:]
+PLANNER_NAMES = tuple(PLANNERS)       # every planner of the registry, ours (cp-sat) first
+BASELINE_NAMES = BASELINES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +120,15 @@ def build(case: FuzzCase) -> tuple[Profile, Hardware]:
 
 
 def run_planner(name: str, profile: Profile, hw: Hardware, case: FuzzCase) -> Plan:
-    cap = hw.gpu_memory_bytes
-    if name == "cp-sat":
-        from harmony_opt.solver_models.planner import PlannerOptions, plan
-        opts = PlannerOptions(mode=case.mode, gpus=case.use_gpus, time_limit=case.time_limit, seed=0, workers=1)
-        return plan(profile, hw, case.batch, opts, memory_cap=cap)
-    kw = {"gpus": case.use_gpus}
-    if name == "harmony":
+    """``name`` from the registry on the case: a planner that searches the mode gets the case's mode and
+    time limit, one that plans in one mode gets it (vPP for "auto"), the others neither."""
+    entry = planner_entry(name)
+    kw = {}
+    if entry.modes == "auto":
+        kw.update(mode=case.mode, time_limit=case.time_limit, seed=0, workers=1)
+    elif entry.modes == "per-mode":
         kw["mode"] = "vPP" if case.mode == "auto" else case.mode
-    return get_planner(name)(profile, hw, case.batch, cap, **kw)
+    return get_planner(entry.name)(profile, hw, case.batch, hw.gpu_memory_bytes, gpus=case.use_gpus, **kw)
 
 
 def check_plan(plan: Plan, profile: Profile, hw: Hardware, cap: int, name: str) -> None:

@@ -1,12 +1,56 @@
-"""Tables and figures people read: profile summaries and per-layer plots."""
+"""Tables and figures people read: profile summaries, per-layer plots, markdown tables and the
+one line that says which machine a result came from (the experiments and benchmarks use both)."""
 from __future__ import annotations
 
+import math
+import os
+import platform
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from .core.io import atomic_write_bytes
 from .core.profile import Profile
+
+
+def machine_description() -> str:
+    """One line naming the CPU, cores, memory and library versions, so results say where they ran."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        from ortools import __version__ as ortools_version
+    except ImportError:
+        ortools_version = "?"
+    return (f"{cpu}, {os.cpu_count()} cores{mem}; {platform.system()} {platform.release()}; "
+            f"Python {platform.python_version()}, OR-tools {ortools_version}, numpy {np.__version__}, "
+            f"pandas {pd.__version__}")
+
+
+def markdown_table(df: pd.DataFrame, floatfmt: str = ".4g") -> str:
+    """A GitHub markdown table (no tabulate dependency); NaN prints as an empty cell."""
+    def cell(v):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        if isinstance(v, (float, np.floating)):
+            return format(float(v), floatfmt)
+        return str(v).replace("|", "/")
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
 
 
 def profiles_table(profiles: list[Profile]) -> pd.DataFrame:

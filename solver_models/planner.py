@@ -40,7 +40,7 @@ import numpy as np
 
 from harmony_opt.sim.bound import lower_bound
 from harmony_opt.core.bundled import plan_ident
-from harmony_opt.core.errors import HarmonyOptError
+from harmony_opt.core.errors import HarmonyOptError, UsageError
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.sim.host_memory import may_bind, model_host_memory
 from harmony_opt.compile.program_memory import fit_to_program
@@ -122,6 +122,18 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
         return _under_harmonys_cost_model(profile, hw, batch, opts, cap, report)
     return fit_to_program(lambda c: _plan(profile, hw, batch, opts, memory_cap=c, report=report), cap, profile,
                           who=f"the best plan of {profile.name}")
+
+
+def plan_under_cap(profile: Profile, hw: Hardware, batch: int, cap: int | None = None, *, gpus: int | None = None,
+                   report=None, **options) -> Plan:
+    """:func:`plan` in the registry's calling convention (harmony_opt.planners.registry): the cap as
+    the fourth argument and ``options`` the fields of :class:`PlannerOptions`; an unknown option is
+    a UsageError naming the valid ones."""
+    fields = [f.name for f in dataclasses.fields(PlannerOptions) if f.name != "gpus"]
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise UsageError(f"cp-sat: unknown option(s) {', '.join(unknown)}; valid: {', '.join(fields)}")
+    return plan(profile, hw, batch, PlannerOptions(gpus=gpus, **options), memory_cap=cap, report=report)
 
 
 #: Work seconds at least left by the search of Harmony's space for the wider one to run (_under_harmonys_cost_model)

@@ -55,11 +55,11 @@ def _api(case: dict):
         return hw
     profile = Profile.load(path)
     if kind == "baseline":
-        from harmony_opt.planners.baselines import get_planner
+        from harmony_opt.planners.registry import get_planner
         return get_planner(case["planner"])(profile, hw, case["batch"], hw.gpu_memory_bytes, gpus=case.get("gpus"))
     if kind == "cp-sat":
-        from harmony_opt.solver_models.planner import PlannerOptions, plan
-        return plan(profile, hw, case["batch"], PlannerOptions(time_limit=2), memory_cap=hw.gpu_memory_bytes)
+        from harmony_opt.planners.registry import get_planner
+        return get_planner("cp-sat")(profile, hw, case["batch"], hw.gpu_memory_bytes, time_limit=2)
     raise AssertionError(f"manifest: unknown api {kind!r}")
 
 

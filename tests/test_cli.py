@@ -1,10 +1,13 @@
 """The command line as a user meets it: output, files, one-line errors with exit code 2."""
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from harmony_opt.cli import main
+
+GOOD = str(Path(__file__).resolve().parent / "bad_inputs" / "profiles" / "good")    # a small valid profile folder
 
 
 def run(capsys, *argv):
@@ -42,6 +45,17 @@ def test_baseline_then_simulate(capsys, tmp_path):
     assert re.search(r"^host memory: [\d.]+ GiB \(weights and buffers [\d.]+ GiB, optimizer state .*activation "
                      r"buffers .*hardware 1080ti-x4 has 256.00 GiB, 192.00 GiB pinnable$", out, re.M), out
     assert "warning" not in out
+
+
+def test_baseline_names_any_planner_of_the_registry_ours_too(capsys, tmp_path):
+    """`baseline --planner cp-sat` is ours through the registry, with --mode and --gpus as the others take them."""
+    plan = tmp_path / "ours.json"
+    rc, out, err = run(capsys, "baseline", "--planner", "cp-sat", "--profile", GOOD,
+                       "--batch", "2", "--gpus", "1", "--mode", "vPP", "-o", str(plan))
+    assert rc == 0, err
+    assert out.startswith("cp-sat: vPP on 1 GPU(s)")
+    saved = json.loads(plan.read_text())
+    assert saved["planner"] == "cp-sat" and saved["gpus"] == 1 and saved["solver"]
 
 
 @pytest.mark.parametrize("argv,fragment", [
@@ -98,14 +112,13 @@ def test_output_path_that_is_a_folder_is_exit_2(capsys, tmp_path):
 ])
 def test_a_bad_output_path_fails_before_the_search(capsys, tmp_path, monkeypatch, argv):
     """A user should not wait for a search whose result cannot be written."""
-    import harmony_opt.planners.baselines
+    import harmony_opt.planners.registry
     import harmony_opt.solver_models.planner
 
     def searched(*a, **k):
         raise AssertionError("the search ran before the output path was checked")
     monkeypatch.setattr(harmony_opt.solver_models.planner, "plan", searched)
-    monkeypatch.setattr(harmony_opt.planners.baselines, "get_planner", searched)
-    monkeypatch.setattr(harmony_opt.planners.baselines, "PLANNERS", {"l2l": searched})
+    monkeypatch.setattr(harmony_opt.planners.registry, "get_planner", searched)
     a_file = tmp_path / "not_a_folder"
     a_file.write_text("")
     argv = [x.format(f=a_file) for x in argv]

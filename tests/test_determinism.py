@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from harmony_opt.planners.baselines import PLANNERS
+from harmony_opt.planners.registry import BASELINES, get_planner
 from harmony_opt.core.errors import InfeasibleError
 from harmony_opt.core.hardware import get_hardware
 from harmony_opt.core.plan import Plan
@@ -21,13 +21,13 @@ def inputs():
     return synthetic_profile(R=12, seed=3), get_hardware("1080ti-x4", memory_cap="600MB")
 
 
-@pytest.mark.parametrize("name", sorted(PLANNERS))
+@pytest.mark.parametrize("name", sorted(BASELINES))
 def test_baseline_plan_files_are_byte_identical(name, inputs, tmp_path):
     profile, hw = inputs
     files = []
     for i in range(2):
         try:
-            plan = PLANNERS[name](profile, hw, 8, hw.gpu_memory_bytes)
+            plan = get_planner(name)(profile, hw, 8, hw.gpu_memory_bytes)
         except InfeasibleError:
             pytest.skip(f"{name} has no plan for these inputs")
         assert plan.search_time_s is not None and plan.search_time_s > 0     # measured, kept in memory
@@ -46,7 +46,7 @@ def test_cp_sat_plan_files_are_byte_identical(workers, inputs, tmp_path):
 
 def test_timings_and_non_finite_numbers_stay_out_of_the_file(inputs):
     profile, hw = inputs
-    plan = PLANNERS["l2l"](profile, hw, 8, hw.gpu_memory_bytes)
+    plan = get_planner("l2l")(profile, hw, 8, hw.gpu_memory_bytes)
     plan = plan.replace(solver={"wall_time_s": 1.5, "bound": float("nan"), "inner": {"wall_time_s": 2.0}},
                         stats={"efficiency": math.inf})
     d = Plan.from_dict(__import__("json").loads(plan.to_json())).to_dict()

@@ -154,12 +154,13 @@ def test_iteration_floor_is_tight_enough_to_skip_sizes():
 @given(case=cases(max_layers=12))
 def test_skipping_sizes_returns_what_simulating_every_size_returns(case):
     import harmony_opt.planners.baselines as B
+    from harmony_opt.planners.registry import get_planner
     from harmony_opt.core.errors import InfeasibleError
     profile, hw = build(case)
 
     def run(name):
         try:
-            return B.get_planner(name)(profile, hw, case.batch, hw.gpu_memory_bytes, gpus=case.use_gpus).to_json()
+            return get_planner(name)(profile, hw, case.batch, hw.gpu_memory_bytes, gpus=case.use_gpus).to_json()
         except InfeasibleError as e:
             return str(e)
     fast = {name: run(name) for name in ("naive-swap", "l2l", "zero-offload")}

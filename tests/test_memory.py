@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harmony_opt.planners.baselines import get_planner
+from harmony_opt.planners.registry import get_planner
 from harmony_opt.compile.compiler import compile_plan
 from harmony_opt.core.errors import InfeasibleError, RuntimeMemoryError
 from harmony_opt.core.hardware import Hardware
@@ -24,7 +24,6 @@ from harmony_opt.measure.profiler import profile_model
 from harmony_opt.compile.validate import validate_program
 from harmony_opt.training import train
 from harmony_opt.measure.shapes import measure_layer_bytes
-from harmony_opt.solver_models.planner import PlannerOptions, plan as cp_plan
 
 MODELS = ("gpt2-tiny", "bert-tiny", "vgg-tiny")
 PLANNERS = ("cp-sat", "harmony", "harmony/harmony-cost", "naive-swap", "l2l")
@@ -48,12 +47,12 @@ def _measured(name: str):
 
 
 def _plan(planner: str, prof, cap: int) -> Plan:
-    hw = _hardware()
-    if planner == "cp-sat":
-        return cp_plan(prof, hw, BATCH, PlannerOptions(time_limit=1.0, processes=1), memory_cap=cap)
-    if planner == "harmony/harmony-cost":
-        return get_planner("harmony")(prof, hw, BATCH, cap, mode="vPP", cost_model="harmony")
-    return get_planner(planner)(prof, hw, BATCH, cap)
+    """``planner`` from the registry; "harmony/harmony-cost" is Harmony's search under its own cost model."""
+    name, _, variant = planner.partition("/")
+    kw = {"time_limit": 1.0, "processes": 1} if name == "cp-sat" else {}
+    if variant == "harmony-cost":
+        kw.update(mode="vPP", cost_model="harmony")
+    return get_planner(name)(prof, _hardware(), BATCH, cap, **kw)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

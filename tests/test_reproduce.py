@@ -1,7 +1,11 @@
-"""The experiments' logic at tiny scale: synthetic GPT-2 profiles, the compare grid, tables, figures."""
+"""The experiments (experiments/, `python -m experiments`) at tiny scale: synthetic GPT-2 profiles,
+the compare grid, tables, figures, and the command lines that run them."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -9,8 +13,14 @@ import pytest
 
 from harmony_opt.core import bundled
 from harmony_opt.planners import baselines
-from harmony_opt import reproduce as R
+from harmony_opt.planners.registry import get_planner
 from harmony_opt.core.hardware import get_hardware
+from harmony_opt.report import machine_description, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:       # experiments/ is the checkout's, not installed: import it from here
+    sys.path.insert(0, str(ROOT))
+from experiments import cli as E, compare as C, scaling as S, servers as V, table1 as T  # noqa: E402
 from harmony_opt.measure.synthetic import GPT2_SCALING, GPT2_XL, GPT2Shape, gpt2_profile
 
 from conftest import synthetic_profile
@@ -46,7 +56,7 @@ def test_baseline_size_pruning_keeps_the_exhaustive_choice():
     prof = synthetic_profile(R=10, sizes=(1, 2, 4, 8), seed=3)
     hw = get_hardware("1080ti-x4", gpus=2)
     for name in ("naive-swap", "l2l"):
-        plan = baselines.get_planner(name)(prof, hw, 16, hw.gpu_memory_bytes)
+        plan = get_planner(name)(prof, hw, 16, hw.gpu_memory_bytes)
         times = {u: baselines.score(plan.replace(microbatch_fwd=u, microbatch_bwd=u), prof, hw) for u in (1, 2, 4, 8)}
         best = min(times.values())
         assert plan.simulated_iteration_time_s == best
@@ -64,9 +74,9 @@ def tiny_bundle(tmp_path, monkeypatch):
 
 
 def test_compare_cell_rows_and_figures(tiny_bundle, tmp_path):
-    cells = R.compare_cells([tiny_bundle], batches=(8,), gpus=(1, 2), time_limit=0.5,
+    cells = C.compare_cells([tiny_bundle], batches=(8,), gpus=(1, 2), time_limit=0.5,
                             gantt=(tiny_bundle, 8, 2, "vPP"))
-    df, timelines = R.compare(cells, jobs=1)
+    df, timelines = C.compare(cells, jobs=1)
     n2 = df[df.gpus_requested == 2]
     # both modes for ours and Harmony's on 2 GPUs, vPP only on 1; baselines once; one bound per cell
     assert sorted(n2[n2.planner == "cp-sat"].mode_requested) == ["vDP", "vPP"]
@@ -76,20 +86,20 @@ def test_compare_cell_rows_and_figures(tiny_bundle, tmp_path):
     ok = df[df.status == "ok"]
     bound = df[df.planner == "lower-bound"].set_index("gpus_requested").iteration_s
     assert (ok.iteration_s.to_numpy() >= bound[ok.gpus_requested].to_numpy() * (1 - 1e-3)).all()
-    best = R.best_per_cell(df)
+    best = C.best_per_cell(df)
     assert not best.duplicated(["model", "batch", "gpus_requested", "planner"]).any()
     ours = best[(best.planner == "cp-sat") & (best.gpus_requested == 2)].iteration_s.iloc[0]
     assert ours == n2[n2.planner == "cp-sat"].iteration_s.min()
     # what the planner reports of each of our plans, and its speed-up over Harmony's in the same mode
     mine = df[df.planner == "cp-sat"]
-    assert set(R.COMPARE_SOLVER_COLUMNS) <= set(df.columns)
+    assert set(C.COMPARE_SOLVER_COLUMNS) <= set(df.columns)
     assert mine.solver_config_status.isin(["OPTIMAL", "FEASIBLE", "NOT_SOLVED"]).all()
     assert (mine.speedup_vs_harmony >= 1 - 1e-3).all()      # iteration_s is rounded to 0.1 ms
     assert df[df.planner != "cp-sat"].solver_fidelity.isna().all()
-    sp = R.speedups(df)
+    sp = C.speedups(df)
     assert len(sp) == 2 and (sp.speedup >= 1 - 1e-3).all()
     assert (sp.harmony_s / sp.ours_s == sp.speedup).all()
-    paths = R.write_compare(df, timelines, tmp_path / "out", 0.5, R.BASELINE_BUDGET,
+    paths = C.write_compare(df, timelines, tmp_path / "out", 0.5, C.BASELINE_BUDGET,
                             gantt_case=(tiny_bundle, 8, 2, "vPP"))
     md = (tmp_path / "out" / "compare.md").read_text()
     assert "## Speed-up of ours over Harmony's search" in md and "solver_config_proof" in md
@@ -108,7 +118,7 @@ TABLE1_REQUIRED = ["model", "layers", "harmony_configs", "harmony_search_s", "ha
 
 def test_table1_row_both_searches_and_solver_columns(tiny_bundle, tmp_path):
     """Harmony's search, ours at its settings and ours with mode and GPUs free; what plan.solver says."""
-    row = R.table1_row(tiny_bundle, 2**30, time_limit=0.5, batch=8, gpus=4)
+    row = T.table1_row(tiny_bundle, 2**30, time_limit=0.5, batch=8, gpus=4)
     df = pd.DataFrame([row])
     for prefix in ("ours_", "ours_free_"):
         for col in ("search_s", "search_ratio", "mode", "gpus", "time_s", "model_s", "fidelity", "bound_s", "gap",
@@ -127,37 +137,37 @@ def test_table1_row_both_searches_and_solver_columns(tiny_bundle, tmp_path):
     assert row["harmony_any_mode_time_s"] <= row["harmony_time_s"] + 1e-9
     assert row["ours_free_speedup_any_mode"] == pytest.approx(row["harmony_any_mode_time_s"] / row["ours_free_time_s"])
     assert row["lower_bound_s"] <= min(row["ours_time_s"], row["ours_free_time_s"]) * (1 + 1e-9)
-    paths = R.write_table1(df, tmp_path, 0.5)
+    paths = T.write_table1(df, tmp_path, 0.5)
     csv = pd.read_csv(tmp_path / "table1.csv")
-    assert set(TABLE1_REQUIRED + R.TABLE1_OURS_MD + R.TABLE1_FREE_MD) <= set(csv.columns)
+    assert set(TABLE1_REQUIRED + T.TABLE1_OURS_MD + T.TABLE1_FREE_MD) <= set(csv.columns)
     md = (tmp_path / "table1.md").read_text()
     assert md.count("\n## ") == 3 and "ours_free_speedup" in md and "Machine:" in md
     assert {p.name for p in paths} == {"table1.csv", "table1.md"}
 
 
 def test_scaling_row_on_a_small_gpt2(tmp_path):
-    row = R.scaling_row("gpt2_tiny", 0.5, batch=4, gpus=2, shape=GPT2Shape(n_layer=2, n_embd=4096, n_head=32))
+    row = S.scaling_row("gpt2_tiny", 0.5, batch=4, gpus=2, shape=GPT2Shape(n_layer=2, n_embd=4096, n_head=32))
     assert row["layers"] == 6 and row["ours_time_s"] <= row["harmony_time_s"] * (1 + 1e-9)
     for col in ("ours_fidelity", "ours_gap", "ours_config_status", "ours_config_proof", "ours_timeline_gap",
                 "ours_search_ratio", "ours_efficiency"):
         assert col in row
-    paths = R.write_scaling(pd.DataFrame([row]), tmp_path, 0.5)
+    paths = S.write_scaling(pd.DataFrame([row]), tmp_path, 0.5)
     assert {p.name for p in paths} == {"scaling.csv", "scaling.md", "scaling.png"}
     assert "ours_config_status" in (tmp_path / "scaling.md").read_text()
 
 
 def test_two_servers_rows(tiny_bundle, tmp_path):
-    df = R.two_servers(0.5, model=tiny_bundle, batch=8)
+    df = V.two_servers(0.5, model=tiny_bundle, batch=8)
     assert len(df) == 9 and set(df.planner) == {"harmony vPP", "harmony vDP", "ours"}
     ours = df[df.planner == "ours"]
     assert ours.solver_config_status.notna().all() and ours.solver_fidelity.notna().all()
     assert (ours.gpus == [4, 8, 8]).all()
-    R.write_two_servers(df, tmp_path, 0.5)
+    V.write_two_servers(df, tmp_path, 0.5)
     assert "solver_fidelity" in (tmp_path / "two_servers.md").read_text()
 
 
 def test_compare_cell_skips_layerwise_baselines_over_budget(tiny_bundle):
-    rows, _ = R.run_cell(R.CompareCell(tiny_bundle, 8, 1, time_limit=0.5, baseline_budget=10))
+    rows, _ = C.run_cell(C.CompareCell(tiny_bundle, 8, 1, time_limit=0.5, baseline_budget=10))
     df = pd.DataFrame(rows)
     skipped = df[df.status == "skipped"]
     assert sorted(skipped.planner) == ["l2l", "naive-swap"]
@@ -166,14 +176,59 @@ def test_compare_cell_skips_layerwise_baselines_over_budget(tiny_bundle):
 
 
 def test_markdown_table_and_machine():
-    md = R.markdown_table(pd.DataFrame({"a": [1, 2], "b": [0.5, math.nan], "c": ["x|y", None]}))
+    md = markdown_table(pd.DataFrame({"a": [1, 2], "b": [0.5, math.nan], "c": ["x|y", None]}))
     assert md.splitlines()[0] == "| a | b | c |"
     assert md.splitlines()[3] == "| 2 |  |  |"
-    assert "cores" in R.machine_description()
+    assert "cores" in machine_description()
 
 
-def test_reproduce_command_parses():
+def test_reproduce_command_passes_the_experiments_options_on():
     from harmony_opt.cli import build_parser
     args = build_parser().parse_args(["reproduce", "compare", "--models", "bert_large", "--batches", "16",
                                       "--jobs", "1"])
-    assert args.experiment == "compare" and args.jobs == 1 and callable(args.func)
+    assert args.experiment == "compare" and args.options == ["--models", "bert_large", "--batches", "16", "--jobs", "1"]
+    inner = E.build_parser().parse_args([args.experiment, *args.options])
+    assert inner.experiment == "compare" and inner.jobs == 1 and inner.models == "bert_large"
+
+
+def test_reproduce_from_the_cli_runs_the_checkouts_experiments(tiny_bundle, tmp_path, capsys):
+    from harmony_opt.cli import main
+    rc = main(["reproduce", "compare", "--models", tiny_bundle, "--batches", "8", "--gpus", "1", "--jobs", "1",
+               "--time-limit", "0.5", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"wrote {tmp_path / 'compare.csv'}" in out
+    assert set(pd.read_csv(tmp_path / "compare.csv").planner) >= {"cp-sat", "harmony", "lower-bound"}
+
+
+def test_reproduce_without_a_checkout_says_where_to_run_it(monkeypatch, tmp_path, capsys):
+    """An installed harmony_opt has no experiments/ beside it: one line, exit 2, naming the command."""
+    import harmony_opt
+    from harmony_opt.cli import main
+    (tmp_path / "harmony_opt").mkdir()
+    monkeypatch.setattr(harmony_opt, "__file__", str(tmp_path / "harmony_opt" / "__init__.py"))
+    rc = main(["reproduce", "table1", "--time-limit", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("harmony-opt: error: reproduce runs the experiments of a checkout")
+    assert "python -m experiments {table1,compare,scaling,servers,all} [options]" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["table1", "--models", "nope"], "--models 'nope': none is a model of Table 1"),
+    (["compare", "--models", "nope"], "--models 'nope': none is a bundled profile"),
+    (["compare", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["compare", "--batches", "a,b"], "--batches 'a,b': give whole numbers"),
+    (["servers", "--time-limit", "-1"], "--time-limit must be > 0 seconds"),
+    (["tabel1"], "invalid choice: 'tabel1'"),
+])
+def test_experiments_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    rc = E.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("python -m experiments: error: ") and message in err
+
+
+def test_python_m_experiments_help_runs_from_the_checkout():
+    out = subprocess.run([sys.executable, "-m", "experiments", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "{table1,compare,scaling,servers,all}" in out.stdout and "--out" in out.stdout
+    from experiments.common import RESULTS_DIR
+    assert RESULTS_DIR == ROOT / "experiments" / "results"

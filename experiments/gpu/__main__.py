@@ -143,11 +143,11 @@ def cases(P: Paths, workloads, caps):
 
 def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
     from .trial import busy_by_stream
-    from harmony_opt.planners.baselines import get_planner, plan_naive_swap
+    from harmony_opt.planners.baselines import plan_naive_swap
+    from harmony_opt.planners.registry import get_planner
     from harmony_opt.sim.bound import lower_bound
     from harmony_opt.core.hardware import get_hardware
     from harmony_opt.sim.simulator import simulate
-    from harmony_opt.solver_models.planner import PlannerOptions, plan
 
     for w, cap, batch, foot, prof in cases(P, workloads, caps):
         d = P.case(w, cap)
@@ -163,7 +163,7 @@ def stage_plan(P: Paths, workloads, caps, time_limit: float) -> None:
         else:
             hw = get_hardware(P.hardware, memory_cap=cap)
             info["lower_bound_s"] = lower_bound(prof, hw, batch, cap)["bound_s"]
-            makers = {"ours": lambda: plan(prof, hw, batch, PlannerOptions(time_limit=time_limit), memory_cap=cap),
+            makers = {"ours": lambda: get_planner("cp-sat")(prof, hw, batch, cap, time_limit=time_limit),
                       "harmony": lambda: get_planner("harmony")(prof, hw, batch, cap, mode="vPP", gpus=1),
                       "naive-swap": lambda: plan_naive_swap(prof, hw, batch, cap, gpus=1)}
             for method, make in makers.items():

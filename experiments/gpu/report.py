@@ -7,7 +7,7 @@ import io
 import pandas as pd
 
 from harmony_opt.core.io import atomic_write_bytes, atomic_write_text
-from harmony_opt.reproduce import markdown_table
+from harmony_opt.report import markdown_table
 
 from . import read_result
 

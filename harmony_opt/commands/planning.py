@@ -54,8 +54,10 @@ def register(sub):
     p.add_argument("--quiet", action="store_true", help="do not print solver progress")
     p.set_defaults(func=_plan)
 
-    b = sub.add_parser("baseline", help="plan with a baseline planner")
-    b.add_argument("--planner", required=True, help="harmony, naive-swap, l2l or zero-offload")
+    from ..planners.registry import PLANNERS
+    b = sub.add_parser("baseline", help="plan with one planner by name (a baseline, or ours)")
+    b.add_argument("--planner", required=True,
+                   help="; ".join(f"{e.name}: {e.description}" for e in PLANNERS.values()))
     _common(b)
     b.add_argument("--packing-fwd", default="balanced_time,reuse", help="Harmony's forward packers (or 'all')")
     b.add_argument("--packing-bwd", default="balanced_time", help="Harmony's backward packers (or 'all')")
@@ -235,8 +237,9 @@ def _plan(args):
     if args.output:
         print(f"wrote {p.save(args.output)}")
     if not args.no_compare and args.cost_model == "default":
+        from ..planners.registry import BASELINES
         df, _ = compare_table(profile, hw, args.batch, args.mode, args.gpus,
-                              planners=("harmony", "naive-swap", "l2l", "zero-offload"))
+                              planners=BASELINES)
         ours = {"planner": "cp-sat (this plan)", "mode": p.mode, "gpus": p.gpus, "u_fwd": p.microbatch_fwd,
                 "u_bwd": p.microbatch_bwd, "packs_fwd": len(p.packs_fwd), "packs_bwd": len(p.packs_bwd),
                 "iteration_s": round(p.simulated_iteration_time_s, 4), "efficiency": round(p.stats["efficiency"], 3),
@@ -248,14 +251,17 @@ def _plan(args):
 
 
 def _baseline(args):
-    from ..planners.baselines import get_planner
+    from ..planners.registry import get_planner, planner_entry
     profile, hw = _inputs(args)
     _outputs(args)
-    planner = get_planner(args.planner)
+    entry = planner_entry(args.planner)
+    planner = get_planner(entry.name)
     kw = {"gpus": args.gpus}
-    if args.planner.lower() == "harmony":
+    if entry.name == "harmony":
         kw.update(mode="vPP" if args.mode == "auto" else args.mode, cost_model=args.cost_model,
                   packing_fwd=_packers(args.packing_fwd), packing_bwd=_packers(args.packing_bwd))
+    elif entry.modes == "auto":
+        kw.update(mode=args.mode, cost_model=args.cost_model)
     p = planner(profile, hw, args.batch, hw.gpu_memory_bytes, **kw)
     print(f"{p.planner}: {_describe(p)}")
     print(f"simulated iteration time {p.simulated_iteration_time_s:.6f} s ({p.cost_model} cost model); "
@@ -311,28 +317,27 @@ def compare_table(profile, hw, batch, mode="auto", gpus=None, time_limit=10.0, p
 
     ``planners``: names to run (default all: cp-sat and the baselines), so a caller that
     sweeps modes runs the mode-independent baselines once."""
-    from harmony_opt.solver_models.planner import PlannerOptions, plan as cp_plan
-
-    from ..planners.baselines import PLANNERS, get_planner
+    from ..planners.registry import PLANNERS, get_planner
     from ..sim.bound import lower_bound
     from ..sim.simulator import simulate
     cap = hw.gpu_memory_bytes
     rows, plans, errors = [], {}, {}
     bound = lower_bound(profile, hw, batch, cap)["bound_s"]
-    runs = [("cp-sat", "cp-sat", lambda: cp_plan(profile, hw, batch, PlannerOptions(mode=mode, gpus=gpus,
-                                                                                    time_limit=time_limit),
-                                                   memory_cap=cap))]
-    for name in PLANNERS:
+    runs = []
+    for name, entry in PLANNERS.items():
+        if planners is not None and name not in planners:
+            continue
         fn = get_planner(name)
-        if name == "harmony":       # Harmony's search in each mode the request allows
+        if entry.modes == "auto":   # searches the modes itself, within the one asked for
+            runs.append((name, lambda fn=fn: fn(profile, hw, batch, cap, gpus=gpus, mode=mode,
+                                                time_limit=time_limit)))
+        elif entry.modes == "per-mode":     # one run in each mode the request allows
             for m in (("vPP", "vDP") if mode == "auto" else (mode,)):
-                label = f"harmony {m}" if mode == "auto" else name
-                runs.append((label, name, lambda fn=fn, m=m: fn(profile, hw, batch, cap, gpus=gpus, mode=m)))
+                label = f"{name} {m}" if mode == "auto" else name
+                runs.append((label, lambda fn=fn, m=m: fn(profile, hw, batch, cap, gpus=gpus, mode=m)))
         else:
-            runs.append((name, name, lambda fn=fn: fn(profile, hw, batch, cap, gpus=gpus)))
-    if planners is not None:
-        runs = [r for r in runs if r[1] in planners]
-    for name, _, run in runs:
+            runs.append((name, lambda fn=fn: fn(profile, hw, batch, cap, gpus=gpus)))
+    for name, run in runs:
         t0 = time.perf_counter()
         try:
             p = run()

@@ -186,3 +186,33 @@ def get_hardware(spec: str | Path | Hardware, memory_cap: int | str | None = Non
     if gpus is not None:
         hw = hw.with_gpus(gpus)
     return hw
+
+
+# -- variants of the paper's server, named by the experiments, the benchmarks and docs/scaling.md -----------
+#: Host memory (and its pinnable part) of the server the GPT-2 scaling series plans on: more than the
+#: preset's 256 GiB, which GPT-2 20B and larger outgrow
+SCALING_HOST_MEMORY, SCALING_PINNED_MEMORY = 2 * 2**40, 3 * 2**39
+#: 25 Gb/s Ethernet between two servers, bytes/s
+INTER_SERVER_25GBE = 25e9 / 8
+
+
+def scaling_hardware(base: str = "1080ti-x4") -> Hardware:
+    """The paper's server with the host memory GPT-2 100B needs: 1.6 TiB (0.9 TiB pinned) for its
+    weights, gradients, Adam state and stashed inputs (harmony_opt.sim.host_memory)."""
+    return dataclasses.replace(get_hardware(base), name=f"{base}-2tib-host",
+                               host_memory_bytes=SCALING_HOST_MEMORY, pinned_memory_bytes=SCALING_PINNED_MEMORY)
+
+
+def two_server_hardware(base: str = "1080ti-x4") -> dict[str, Hardware]:
+    """One paper server, and two of them as one 8-GPU Hardware: each server's PCIe switch adds a host
+    link (two transfers per direction at once), GPU<->GPU traffic at PCIe P2P speed (optimistic: as
+    if every pair were in one server) or at 25 GbE speed (pessimistic: as if every pair crossed servers).
+    The simulator has one GPU<->GPU bandwidth, so these two bracket a real 4 + 4 split."""
+    one = get_hardware(base)
+    two = dataclasses.replace(one, gpus=8, link_bandwidth=2 * one.link_bandwidth,
+                              host_memory_bytes=2 * one.host_memory_bytes,
+                              pinned_memory_bytes=2 * one.pinned_memory_bytes)
+    return {"1 server, 4 GPUs": one,
+            "2 servers, 8 GPUs, P2P 8.2 GiB/s everywhere": dataclasses.replace(two, name=f"2x{base}-p2p"),
+            "2 servers, 8 GPUs, 25 GbE everywhere": dataclasses.replace(two, name=f"2x{base}-25gbe",
+                                                                      p2p_bandwidth=INTER_SERVER_25GBE)}

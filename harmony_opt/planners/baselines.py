@@ -11,7 +11,8 @@
   infeasible when the model does not fit.
 
 Every baseline picks its microbatch size by simulation, skipping the sizes whose
-lower bound (:func:`iteration_floor`) shows they cannot win.
+lower bound (:func:`iteration_floor`) shows they cannot win. The registry (registry.py) names
+them beside ours and holds their plans to the compiled program's memory.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from typing import Callable
 
 import numpy as np
 
-from ..compile.program_memory import fit_to_program
 from ..core.bundled import plan_ident
 from ..core.errors import HarmonyOptError, InfeasibleError, PlanError, UsageError
 from ..core.hardware import Hardware
@@ -293,26 +293,5 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
     return _fits_host(plan.replace(cost_model=cost_model, **plan_ident(profile, hw)), profile, hw)
 
 
-PLANNERS = {
-    "harmony": plan_harmony,
-    "naive-swap": plan_naive_swap,
-    "l2l": plan_l2l,
-    "zero-offload": plan_zero_offload,
-}
-
-
-def get_planner(name: str):
-    """The baseline ``name``, whose plans' compiled programs fit the cap (memory.fit_to_program)."""
-    key = name.lower().replace("_", "-")
-    if key not in PLANNERS:
-        raise UsageError(f"unknown planner {name!r}; valid: {', '.join(PLANNERS)}")
-    make = PLANNERS[key]
-
-    def planner(profile, hw, batch, cap, **kw):
-        return fit_to_program(lambda c: make(profile, hw, batch, c, **kw), int(cap), profile,
-                              who=f"{key}'s plan of {profile.name}")
-    return planner
-
-
-__all__ = ["PLANNERS", "get_planner", "score", "played", "iteration_floor", "plan_harmony", "plan_naive_swap", "plan_l2l",
+__all__ = ["score", "played", "iteration_floor", "plan_harmony", "plan_naive_swap", "plan_l2l",
            "plan_zero_offload", "max_pack_end"]
