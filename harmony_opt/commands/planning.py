@@ -271,7 +271,6 @@ def _baseline(args):
 
 
 def _simulate(args):
-    from ..planners.baselines import score  # noqa: F401  (keeps planners importable)
     from ..sim.simulator import simulate
     plan = Plan.load(args.plan)
     profile = plan_profile(plan, args.plan, args.profile)
