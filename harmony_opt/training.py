@@ -17,15 +17,18 @@ those of the minibatch mean; only the order in which microbatch gradients are su
 differs.
 
 Everything that can be wrong with the inputs is checked before the first step: the
-plan (or a given Program) against the model, every data batch's size against the plan's
-minibatch, one sample through every layer, a checkpoint against the plan and model.
+plan (or a given Program) against the model, the first minibatch's size against the plan's
+minibatch, one sample through every layer, the loss averaging over its samples, a
+checkpoint against the plan and model. Minibatches stream: each later one is checked as
+its step draws it.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import itertools
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -48,7 +51,7 @@ class TrainResult:
     iteration_times: list[float]                # seconds per step this call ran (rank 0)
     peak_device_bytes: list[int]                # per rank: the memory guard's peak of live device tensors
     start_step: int
-    steps: int
+    steps: int                                  # the step the run ended at (start_step + steps this call ran)
     program: Program
     rank_pids: list[int] = dataclasses.field(default_factory=list)    # the process of each rank
     backend: str | None = None                  # torch.distributed backend of a multi-rank run
@@ -74,67 +77,133 @@ def batch_seed(seed: int, step: int) -> int:
 
 
 def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
-          optimizer: str | Callable | None = None, lr: float = 1e-3, steps: int = 10,
+          optimizer: str | Callable | None = None, lr: float = 1e-3, steps: int | None = None,
+          epochs: int | None = None, scheduler: Callable | None = None, clip_grad_norm: float | None = None,
           checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = False,
           device: str = "cpu", memory_cap: int | None = None, progress: bool = True, seed: int = 0,
           program: Program | None = None, trace: bool = False) -> TrainResult:
-    """Train ``model`` (a LayeredModel) for ``steps`` steps (counted from step 0) as ``plan`` says.
+    """Train ``model`` (a LayeredModel) as ``plan`` says; steps are counted from step 0.
 
-    ``data`` yields ``(inputs, targets)`` minibatches of ``plan.batch`` samples from step 0
-    on (a resumed run skips those already done); without it, minibatches come from
-    ``model.make_batch`` with a generator seeded per step. ``optimizer`` is ``"adam"``,
-    ``"sgd"``, ``"adamw"`` or a picklable factory ``params -> torch.optim.Optimizer`` (e.g.
-    ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``); the default is the
-    model's ``meta["optimizer"]``. ``memory_cap`` (default: the plan's) bounds live device
-    bytes per rank. With ``checkpoint_dir``, a checkpoint is written atomically at the last
-    step and every ``checkpoint_every`` steps; ``resume=True`` continues from it. With
-    ``trace=True`` the result holds when every instruction of the last step ran
-    (:meth:`TrainResult.timeline`).
+    Data: ``data`` is any iterable of ``(inputs, targets)`` minibatches of ``plan.batch`` samples
+    (a list, a generator, a torch ``DataLoader`` with ``drop_last=True``), read as the steps run.
+    The stream is ``epochs`` passes over it (default 1; more need a re-iterable such as a list or
+    a DataLoader). ``steps`` given: run up to step ``steps`` and refuse data that holds fewer
+    minibatches; ``steps`` left out: run the whole stream. Without ``data``, step ``s``'s
+    minibatch is ``model.make_batch(plan.batch, generator seeded by (seed, s))`` and ``steps``
+    defaults to 10. A resumed run skips the minibatches of the steps already done (given data
+    should then yield the same minibatches in the same order). Step 0's minibatch is checked
+    (sizes, shapes, the loss averaging over samples, the program's memory at the model's real
+    sizes) before anything changes; a later minibatch that is wrong stops the run at its step.
+
+    ``optimizer`` is ``"adam"``, ``"sgd"``, ``"adamw"`` or a picklable factory ``params ->
+    torch.optim.Optimizer`` (e.g. ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``);
+    the default is the model's ``meta["optimizer"]``. ``scheduler``: a picklable factory
+    ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, one per pack's optimizer, stepped once
+    per step. ``clip_grad_norm``: clip the gradients to this global 2-norm over every layer, as
+    ``torch.nn.utils.clip_grad_norm_`` on the whole model (the updates then wait for the step's
+    last gradient; refused for plans with a pack stepping on the GPU). ``memory_cap`` (default:
+    the plan's) bounds live device bytes per rank. With ``checkpoint_dir``, a checkpoint is written
+    atomically after the last step and every ``checkpoint_every`` steps; ``resume=True``
+    continues from it. With ``trace=True`` the result holds when every instruction of the last
+    step ran (:meth:`TrainResult.timeline`).
     """
     from harmony_opt.runtime.checkpoint import load_checkpoint, restore_layers
-    from harmony_opt.runtime.optim import make_factory
-    from harmony_opt.runtime.optim import optimizer_states
-    from harmony_opt.measure.shapes import boundary_shapes, measure_layer_bytes
+    from harmony_opt.runtime.optim import check_scheduler, make_factory, optimizer_states
+    from harmony_opt.measure.shapes import boundary_shapes, check_mean_loss, measure_layer_bytes
     from harmony_opt.runtime.worker import Job, run_job
 
     layers = list(model.layers)
     check_plan(model, plan)
     _check_device(device, plan.gpus)
-    if steps < 0:
-        raise UsageError(f"steps must be >= 0, got {steps}")
+    steps = _check_counts(plan, data, steps, epochs, clip_grad_norm)
     if resume and checkpoint_dir is None:
         raise UsageError("resume needs a checkpoint folder")
     cap = memory_cap if memory_cap is not None else plan.memory_cap
     factory = make_factory(optimizer or model.meta.get("optimizer", "adam"), lr)
+    check_scheduler(scheduler, factory)
     ident = plan_identity(plan) if program is None else program.plan_identity
     state = load_checkpoint(checkpoint_dir, plan_identity=ident, layers=layers) if resume else None
     start = state["step"] if state else 0
-    batches = _batches(model, plan, data, start, steps, seed)
-    shapes = boundary_shapes(layers, *batches[0]) if batches else []
-    # the whole program against the model's real sizes, before any weight changes
-    sizes = measure_layer_bytes(layers, *batches[0], optimizer_states=optimizer_states(factory)) if batches else None
+    if state and start > 0 and (scheduler is None) != ("schedulers" not in state):
+        was = "with" if scheduler is None else "without"
+        raise DataError(f"the checkpoint in {checkpoint_dir} was written by a run {was} an LR scheduler; resume "
+                        f"with the scheduler it was written with")
+    stream = _stream(model, plan, data, start, steps, epochs or 1, seed)
+    first = next(stream, None)
+    if first is None and data is not None and start == 0 and steps is None:
+        raise DataError("the data holds no minibatch")
+    batches = itertools.chain([first], stream) if first is not None else None
+    if first is not None:
+        shapes = boundary_shapes(layers, *first)
+        check_mean_loss(layers, *first)
+        # the whole program against the model's real sizes, before any weight changes
+        sizes = measure_layer_bytes(layers, *first, optimizer_states=optimizer_states(factory))
+    else:
+        shapes, sizes = [], None
     program = _program(plan, layers, program, sizes, cap)
     if state:
         restore_layers(layers, state)
     for layer in layers:
         layer.train()
     _place_host_state(layers, device, plan.gpus)
-    job = Job(program=program, layers=layers, batches=batches, start_step=start, factory=factory, shapes=shapes,
+    job = Job(program=program, layers=layers, start_step=start, factory=factory, shapes=shapes,
               device=device, memory_cap=cap, seed=seed,
               progress=progress, optimizer_state=state["optimizer"] if state else None,
+              scheduler_state=state.get("schedulers") if state else None,
               checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
-              plan=plan.to_dict(), losses_before=list(state["losses"]) if state else [], trace=trace)
-    results = run_job(job) if batches else []
+              plan=plan.to_dict(), losses_before=list(state["losses"]) if state else [], trace=trace,
+              total=steps if steps is not None else _known_length(data, epochs or 1),
+              scheduler=scheduler, clip_grad_norm=clip_grad_norm)
+    results = run_job(job, batches) if batches is not None else []
     times = results[0].iteration_times if results else []
     return TrainResult(
         weights=[{k: v.detach().clone() for k, v in layer.state_dict().items()} for layer in layers],
         losses=results[0].losses if results else job.losses_before,
         samples_per_s=plan.batch * len(times) / sum(times) if times else 0.0,
         iteration_times=times, peak_device_bytes=[r.peak_bytes for r in results],
-        start_step=start, steps=max(steps, start), program=program,
+        start_step=start, steps=start + len(times), program=program,
         rank_pids=[r.pid for r in results], backend=results[0].backend if results else None,
         bytes_moved=[r.bytes_moved for r in results], device_peak_bytes=[r.device_peak_bytes for r in results],
         trace=[r.trace for r in results])
+
+
+def _check_counts(plan: Plan, data, steps: int | None, epochs: int | None, clip: float | None) -> int | None:
+    """Refuse bad step, epoch and clipping options; the number of steps (None: the data's end)."""
+    if steps is not None and (not isinstance(steps, int) or steps < 0):
+        raise UsageError(f"steps must be a whole number >= 0, got {steps!r}")
+    if epochs is not None:
+        if data is None:
+            raise UsageError("epochs counts passes over the data: give data, or steps for the model's own batches")
+        if not isinstance(epochs, int) or epochs < 1:
+            raise UsageError(f"epochs must be a whole number >= 1, got {epochs!r}")
+        if epochs > 1 and isinstance(data, collections.abc.Iterator):
+            raise UsageError(f"epochs={epochs} needs data that can be read again (a list, a DataLoader), "
+                             f"not a one-pass {type(data).__name__}")
+    if data is None and steps is None:
+        steps = 10
+    if data is not None and steps is not None:
+        n = _known_length(data, epochs or 1)
+        if n is not None and n < steps:
+            raise DataError(f"the data has {n} minibatches but {steps} steps were asked for")
+    if clip is not None:
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0:
+            raise UsageError(f"clip_grad_norm must be a number > 0, got {clip!r}")
+        gpu = [f"{a}-{b}" for (a, b), o in zip(plan.packs_bwd, plan.options) if o.optimizer == "gpu"]
+        if gpu:
+            raise UsageError(f"clip_grad_norm needs every gradient before the first update, but pack(s) "
+                             f"{', '.join(gpu)} step on the GPU inside the backward; plan with the optimizer on "
+                             f"the CPU for every pack, or train without clipping")
+    return steps
+
+
+def _known_length(data, epochs: int) -> int | None:
+    """Minibatches in ``epochs`` passes over ``data`` where it says (len), else None."""
+    if data is None:
+        return None
+    try:
+        return len(data) * epochs
+    except TypeError:
+        return None
 
 
 def check_plan(model, plan: Plan) -> None:
@@ -190,33 +259,47 @@ def _program(plan: Plan, layers: list, program: Program | None, sizes=None, cap:
     return program
 
 
-def _batches(model, plan: Plan, data, start: int, steps: int, seed: int) -> list[Batch]:
-    """The minibatches of steps ``start .. steps-1``, each checked against the plan's minibatch size."""
+def _stream(model, plan: Plan, data, start: int, steps: int | None, epochs: int, seed: int) -> Iterator[Batch]:
+    """The minibatches of steps ``start`` on (up to ``steps``, or the data's end), each checked as it
+    is drawn: a pair of tensors of the plan's minibatch size, shaped like the first one."""
     if data is None:
-        out = [model.make_batch(plan.batch, torch.Generator().manual_seed(batch_seed(seed, s)))
-               for s in range(start, steps)]
+        raw = _made(model, plan, start, steps, seed)
     else:
-        out = list(itertools.islice(iter(data), start, steps))
-        if len(out) < steps - start:
-            raise DataError(f"the data has {start + len(out)} minibatches but {steps} steps were asked for")
-    first = None
-    for k, b in enumerate(out):
-        step = start + k
+        passes = itertools.chain.from_iterable(itertools.repeat(data, epochs))
+        raw = itertools.islice(passes, start, steps)
+    first, step = None, start
+    for b in raw:
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(t, torch.Tensor) for t in b)):
             raise DataError(f"data batch {step}: expected a pair (inputs, targets) of tensors, got {type(b).__name__}")
         x, y = b
         for what, t in (("inputs", x), ("targets", y)):
             if t.dim() == 0 or t.shape[0] != plan.batch:
                 raise DataError(f"data batch {step}: {what} hold {t.shape[0] if t.dim() else 0} samples but the "
-                                f"plan's minibatch is {plan.batch}")
+                                f"plan's minibatch is {plan.batch}; every minibatch must hold exactly that many "
+                                f"(a DataLoader: batch_size={plan.batch}, drop_last=True)")
         sig = (x.shape[1:], x.dtype, y.shape[1:], y.dtype)
         if first is None:
             first = sig
         elif sig != first:
             raise DataError(f"data batch {step}: samples of shape {tuple(x.shape[1:])} / {tuple(y.shape[1:])} "
                             f"differ from batch {start}'s {tuple(first[0])} / {tuple(first[2])}")
-        out[k] = (x.detach().cpu(), y.detach().cpu())
-    return out
+        yield x.detach().cpu(), y.detach().cpu()
+        step += 1
+    if steps is not None and step < steps:
+        raise DataError(f"the data has {step} minibatches but {steps} steps were asked for")
+
+
+def _made(model, plan: Plan, start: int, steps: int, seed: int) -> Iterator[Batch]:
+    """``model.make_batch`` of each step, seeded per step; one that ignores its size is refused."""
+    for s in range(start, steps):
+        b = model.make_batch(plan.batch, torch.Generator().manual_seed(batch_seed(seed, s)))
+        got = [t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in b] \
+            if isinstance(b, (tuple, list)) and len(b) == 2 else None
+        if got is not None and got != [plan.batch] * 2:
+            raise DataError(f"model {model.name!r}: make_batch({plan.batch}, generator) returned {got[0]} inputs "
+                            f"and {got[1]} targets; make_batch must return exactly the number of samples it is "
+                            f"asked for")
+        yield b
 
 
 def _place_host_state(layers: list, device: str, gpus: int) -> None:
@@ -229,3 +312,58 @@ def _place_host_state(layers: list, device: str, gpus: int) -> None:
             for t in list(layer.parameters()) + list(layer.buffers()):
                 if not t.is_pinned():
                     t.data = t.data.pin_memory()
+
+
+class SampleSlices:
+    """Minibatches of ``batch`` consecutive samples of ``inputs`` and ``targets`` (samples on dim 0),
+    in order; the last slice, when shorter, is dropped. Re-iterable, with a length, so ``train(...,
+    epochs=n)`` reads it ``n`` times."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, batch: int):
+        self.inputs, self.targets, self.batch = inputs, targets, batch
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0] // self.batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        for k in range(len(self)):
+            rows = slice(k * self.batch, (k + 1) * self.batch)
+            yield self.inputs[rows], self.targets[rows]
+
+
+def load_samples(path: str | Path, batch: int) -> SampleSlices:
+    """A data file's minibatches: a ``.pt`` file holding a dict with tensors ``inputs`` and ``targets``
+    (samples on dim 0), read with ``torch.load(weights_only=True)`` (data, never code); refused with
+    a DataError naming the file where it is not that, or holds fewer than ``batch`` samples."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist" if not path.exists() else f"data file {path} is a folder")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0]
+        raise DataError(f"data file {path}: not a readable torch file of tensors ({type(e).__name__}: {first})") \
+            from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), torch.Tensor) for k in ("inputs", "targets")):
+        keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise DataError(f"data file {path}: expected a dict with tensors 'inputs' and 'targets', got {keys}")
+    x, y = data["inputs"], data["targets"]
+    if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+        raise DataError(f"data file {path}: inputs {tuple(x.shape)} and targets {tuple(y.shape)} must hold the same "
+                        f"number of samples on dimension 0")
+    if x.shape[0] < batch:
+        raise DataError(f"data file {path} holds {x.shape[0]} samples, fewer than one minibatch of {batch}")
+    return SampleSlices(x, y, batch)
+
+
+def save_weights(path: str | Path, weights: list[dict[str, torch.Tensor]]) -> Path:
+    """Every layer's state dict (``TrainResult.weights``) as one, keys prefixed with the layer's index
+    (``"3.weight"``: as ``nn.Sequential(*model.layers).state_dict()`` names them), written atomically."""
+    import io
+
+    from .core.io import atomic_write_bytes
+
+    state = {f"{l}.{k}": v.detach().cpu().clone() for l, sd in enumerate(weights) for k, v in sd.items()}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return atomic_write_bytes(path, buf.getvalue())

@@ -1,4 +1,4 @@
-"""Checkpoints: every layer's weights and buffers, the optimizer state of every pack, the step.
+"""Checkpoints: every layer's weights and buffers, the optimizer (and LR scheduler) state of every pack, the step.
 
 One file, ``checkpoint.pt`` in the checkpoint folder, written atomically (temporary
 file, fsync, rename: :mod:`harmony_opt.core.io`), so an interrupted run leaves the previous
@@ -32,13 +32,16 @@ def model_signature(layers: list[nn.Module]) -> list[list[tuple[str, tuple[int, 
 
 
 def save_checkpoint(folder: str | Path, *, step: int, layers: list[nn.Module], optimizer: dict, losses: list[float],
-                    plan_identity: str, plan: dict, seed: int) -> Path:
+                    plan_identity: str, plan: dict, seed: int, schedulers: dict | None = None) -> Path:
+    """Write the checkpoint; ``schedulers`` (pack name -> LR scheduler state) where the run has one."""
     state = {
         "format": FORMAT, "version": VERSION, "step": step, "plan_identity": plan_identity, "plan": plan,
         "model": {"num_layers": len(layers), "signature": model_signature(layers)},
         "layers": [{k: v.detach().clone() for k, v in layer.state_dict().items()} for layer in layers],
         "optimizer": optimizer, "losses": list(losses), "seed": seed,
     }
+    if schedulers is not None:
+        state["schedulers"] = schedulers
     buf = io.BytesIO()
     torch.save(state, buf)
     return atomic_write_bytes(Path(folder) / FILENAME, buf.getvalue())

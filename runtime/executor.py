@@ -229,8 +229,12 @@ class Executor:
 
     def __init__(self, program: Program, rank: int, layers: list[nn.Module], optimizers: PackOptimizers,
                  shapes: list[tuple[tuple[int, ...], torch.dtype]], *, device: str | torch.device = "cpu",
-                 comm=None, memory_cap: int | None = None, seed: int = 0, trace: bool = False):
+                 comm=None, memory_cap: int | None = None, seed: int = 0, trace: bool = False,
+                 defer_updates: bool = False):
         self.program, self.rank, self.layers = program, rank, layers
+        # with defer_updates, a CPU update only records its pack here; the caller steps them after the
+        # iteration (gradient clipping needs every gradient before the first step)
+        self.deferred: list[tuple[int, int]] | None = [] if defer_updates else None
         self.instrs = program.ranks[rank]
         self.R = program.num_layers
         self.device = torch.device(device)
@@ -583,6 +587,9 @@ class Executor:
     def _update(self, ins: Instr, e: Effects) -> None:
         """Roughly: ``optimizer[pack].step()``: on the CPU worker thread over the host weights
         (stream cpu), or on the device over the swapped-in weights and state (stream compute)."""
+        if ins.stream is Stream.CPU and self.deferred is not None:
+            self.deferred.append(ins.layers)
+            return
         if ins.stream is Stream.CPU:
             events = [self.streams.events[w] for w in ins.waits_on if w in self.streams.events]
 

@@ -32,6 +32,7 @@ from harmony_opt.core.hardware import usable_cores
 from .buffers import host_copy, host_empty
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
@@ -48,6 +49,19 @@ def make_factory(optimizer: str | OptimizerFactory, lr: float, **options) -> Opt
     if fused_on_cpu():
         options.setdefault("fused", True)
     return functools.partial(OPTIMIZERS[name], lr=lr, **options)
+
+
+def check_scheduler(scheduler: SchedulerFactory | None, factory: OptimizerFactory) -> None:
+    """Refuse, before any step, a scheduler factory that does not make an LRScheduler from an optimizer."""
+    if scheduler is None:
+        return
+    if not callable(scheduler):
+        raise UsageError(f"scheduler must be a factory optimizer -> torch.optim.lr_scheduler.LRScheduler "
+                         f"(e.g. functools.partial(StepLR, step_size=10)), got {type(scheduler).__name__}")
+    made = scheduler(factory([torch.nn.Parameter(torch.zeros(8))]))
+    if not isinstance(made, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        raise UsageError(f"the scheduler factory returned {type(made).__name__}, not a "
+                         f"torch.optim.lr_scheduler.LRScheduler")
 
 
 def optimizer_states(factory: OptimizerFactory) -> int:
@@ -93,20 +107,50 @@ def pack_name(pack: tuple[int, int]) -> str:
 
 
 class PackOptimizers:
-    """One optimizer per pack over host parameters, plus the host gradient buffers dW is swapped into."""
+    """One optimizer per pack over host parameters, plus the host gradient buffers dW is swapped into;
+    with a scheduler factory, one LR scheduler per optimizer, stepped once per training step (a
+    schedule of the step count gives every pack the learning rate one optimizer would have)."""
 
-    def __init__(self, layers: list[nn.Module], packs: list[tuple[int, int]], factory: OptimizerFactory):
+    def __init__(self, layers: list[nn.Module], packs: list[tuple[int, int]], factory: OptimizerFactory,
+                 scheduler: SchedulerFactory | None = None):
         self.layers = layers
         self.params: dict[tuple, list[tuple[int, str, nn.Parameter]]] = {}
         self.opts: dict[tuple, torch.optim.Optimizer | None] = {}
+        self.scheds: dict[tuple, object] = {}
         self.grads: dict[tuple[int, str], torch.Tensor] = {}
         for pack in packs:
             ps = [(l, n, p) for l in range(pack[0], pack[1] + 1)
                   for n, p in layers[l].named_parameters() if p.requires_grad]
             self.params[pack] = ps
             self.opts[pack] = factory([p for _, _, p in ps]) if ps else None
+            if scheduler is not None and self.opts[pack] is not None:
+                self.scheds[pack] = scheduler(self.opts[pack])
             for l, n, p in ps:
                 self.grads[(l, n)] = host_empty(p.shape, p.dtype)
+
+    def step_schedulers(self, loss: float) -> None:
+        """One scheduler step after a training step's updates (ReduceLROnPlateau gets the step's loss)."""
+        for s in self.scheds.values():
+            if isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                s.step(loss)
+            else:
+                s.step()
+
+    def clip_and_step(self, packs: list[tuple[int, int]], max_norm: float, comm=None) -> float:
+        """Gradient clipping as ``torch.nn.utils.clip_grad_norm_(all parameters, max_norm)`` computes it,
+        then the host steps of ``packs``: the 2-norm over the gradients of the packs this rank updates
+        (every pack is updated by exactly one rank), summed over the ranks, so each gradient counts
+        once; returns the global norm."""
+        squares = sum(float(torch.linalg.vector_norm(self.grads[(l, n)]).double() ** 2)
+                      for pack in self.params for l, n, _ in self.params[pack])
+        total = (comm.sum_float(squares) if comm else squares) ** 0.5
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for g in self.grads.values():
+                g.mul_(coef)
+        for pack in packs:
+            self.step_host(pack)
+        return total
 
     def grad_buffer(self, layer: int, name: str) -> torch.Tensor:
         return self.grads[(layer, name)]
@@ -180,10 +224,17 @@ class PackOptimizers:
     def state_dicts(self) -> dict[str, dict]:
         return {pack_name(k): opt.state_dict() for k, opt in self.opts.items() if opt is not None}
 
-    def load_state_dicts(self, states: dict[str, dict]) -> None:
+    def scheduler_state_dicts(self) -> dict[str, dict]:
+        return {pack_name(k): s.state_dict() for k, s in self.scheds.items()}
+
+    def load_state_dicts(self, states: dict[str, dict], schedulers: dict[str, dict] | None = None) -> None:
+        """Optimizer states first, then the schedulers' (PyTorch's order for resuming)."""
         for k, opt in self.opts.items():
             if opt is not None and pack_name(k) in states:
                 opt.load_state_dict(states[pack_name(k)])
+        for k, s in self.scheds.items():
+            if schedulers and pack_name(k) in schedulers:
+                s.load_state_dict(schedulers[pack_name(k)])
 
 
 def _is_param_state(v, p: torch.Tensor) -> bool:

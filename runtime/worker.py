@@ -2,7 +2,10 @@
 
 :func:`run_job` runs rank 0 in the calling process when the Program has one rank;
 otherwise it spawns one process per rank (``torch.multiprocessing``, spawn) joined by
-``torch.distributed`` (NCCL on GPUs, Gloo on the CPU). The master weights and buffers
+``torch.distributed`` (NCCL on GPUs, Gloo on the CPU). Minibatches stream: the launcher
+draws them as the ranks run (a thread in the launcher puts each into every rank's bounded
+queue, two steps ahead at most), so data is never all in memory at once and an error in
+the data stops the run at the step that draws it. The master weights and buffers
 are in shared host memory (the caller moves them there), so every rank reads what the
 rank owning a pack's update wrote; each rank's optimizer state stays in its process,
 because a pack is always updated by the same rank. Between iterations every rank waits
@@ -18,6 +21,7 @@ import dataclasses
 import os
 import queue as queue_mod
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -32,16 +36,15 @@ from .buffers import pin_in_place
 from .checkpoint import save_checkpoint
 from .comm import Comm
 from .executor import Executor
-from .optim import OptimizerFactory, PackOptimizers, host_threads, intra_op_threads
+from .optim import OptimizerFactory, PackOptimizers, SchedulerFactory, host_threads, intra_op_threads
 
 
 @dataclasses.dataclass
 class Job:
-    """Everything a rank needs (picklable: it travels to spawned processes)."""
+    """Everything a rank needs but its minibatches (picklable: it travels to spawned processes)."""
 
     program: Program
     layers: list[nn.Module]
-    batches: list[tuple[torch.Tensor, torch.Tensor]]    # one per step to run, from start_step on
     start_step: int
     factory: OptimizerFactory
     shapes: list
@@ -50,12 +53,16 @@ class Job:
     seed: int = 0
     progress: bool = True
     optimizer_state: dict | None = None                 # pack name -> optimizer state_dict
+    scheduler_state: dict | None = None                 # pack name -> LR scheduler state_dict
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None                 # also always at the last step
     plan: dict | None = None
     losses_before: list[float] = dataclasses.field(default_factory=list)
     timeout_s: float = 300.0
     trace: bool = False                                 # record the last iteration's instruction times
+    total: int | None = None                            # the step the run ends at, where known (progress bar)
+    scheduler: SchedulerFactory | None = None           # optimizer -> LR scheduler, stepped once per step
+    clip_grad_norm: float | None = None                 # max global 2-norm of the gradients
 
 
 @dataclasses.dataclass
@@ -75,29 +82,36 @@ def updated_packs(program: Program, rank: int) -> list[tuple[int, int]]:
     return [x.layers for x in program.ranks[rank] if x.kind is Kind.UPD]
 
 
-def run_rank(rank: int, job: Job, comm: Comm | None) -> RankResult:
-    """The training loop of one rank."""
+def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
+    """The training loop of one rank over ``batches`` (an iterable of minibatches, from start_step
+    on); a checkpoint every ``checkpoint_every`` steps and after the last one."""
     device = torch.device(job.device if job.device != "cuda" else f"cuda:{rank}")
-    optim = PackOptimizers(job.layers, updated_packs(job.program, rank), job.factory)
+    optim = PackOptimizers(job.layers, updated_packs(job.program, rank), job.factory, job.scheduler)
     if job.optimizer_state:
-        optim.load_state_dicts(job.optimizer_state)
+        optim.load_state_dicts(job.optimizer_state, job.scheduler_state)
     ex = Executor(job.program, rank, job.layers, optim, job.shapes, device=device, comm=comm,
-                  memory_cap=job.memory_cap, seed=job.seed, trace=job.trace)
+                  memory_cap=job.memory_cap, seed=job.seed, trace=job.trace,
+                  defer_updates=job.clip_grad_norm is not None)
     losses = list(job.losses_before)
-    total = job.start_step + len(job.batches)
-    bar = _progress(job, rank, total)
-    ok = False
+    bar = _progress(job, rank, job.total)
+    ok, step, saved = False, job.start_step, job.start_step
     try:
-        for k, (x, y) in enumerate(job.batches):
-            step = job.start_step + k
+        for x, y in batches:
             part = ex.run_iteration(step, x, y)
+            if ex.deferred is not None:     # every gradient of the step is in: clip, then the updates
+                optim.clip_and_step(ex.deferred, job.clip_grad_norm, comm)
+                ex.deferred.clear()
             losses.append(comm.sum_float(part) if comm else part)
+            optim.step_schedulers(losses[-1])
+            step += 1
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {losses[-1]:.4f}, {x.shape[0] / ex.times[-1]:.1f} samples/s")
-            if job.checkpoint_dir and (step + 1 == total or (job.checkpoint_every
-                                                              and (step + 1) % job.checkpoint_every == 0)):
-                _checkpoint(job, rank, comm, optim, step + 1, losses)
+            if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
+                _checkpoint(job, rank, comm, optim, step, losses)
+                saved = step
+        if job.checkpoint_dir and step != saved:
+            _checkpoint(job, rank, comm, optim, step, losses)
         ok = True
     finally:
         ex.close()
@@ -118,11 +132,14 @@ def _progress(job: Job, rank: int, total: int):
 
 
 def _checkpoint(job: Job, rank: int, comm: Comm | None, optim: PackOptimizers, step: int, losses: list[float]):
-    states = comm.gather_objects(optim.state_dicts()) if comm else [optim.state_dicts()]
+    mine = (optim.state_dicts(), optim.scheduler_state_dicts())
+    states = comm.gather_objects(mine) if comm else [mine]
     if rank == 0:
-        merged = {k: v for s in states for k, v in s.items()}
+        merged = {k: v for s, _ in states for k, v in s.items()}
+        scheds = {k: v for _, s in states for k, v in s.items()} if job.scheduler is not None else None
         save_checkpoint(job.checkpoint_dir, step=step, layers=job.layers, optimizer=merged, losses=losses,
-                        plan_identity=job.program.plan_identity, plan=job.plan or {}, seed=job.seed)
+                        plan_identity=job.program.plan_identity, plan=job.plan or {}, seed=job.seed,
+                        schedulers=scheds)
     if comm:
         comm.barrier()
 
@@ -133,7 +150,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, job: Job, results) -> None:
+def _queued(rank: int, inbox, timeout_s: float):
+    """The minibatches the launcher puts in this rank's queue, until its end mark (None)."""
+    while True:
+        try:
+            item = inbox.get(timeout=timeout_s)
+        except queue_mod.Empty:
+            raise errors.DataError(f"rank {rank}: no minibatch came from the launcher in {timeout_s:.0f} s") from None
+        if item is None:
+            return
+        if isinstance(item, str):            # the launcher raises the data's own error
+            raise errors.DataError(f"rank {rank}: {_DATA_FAILED}")
+        yield item
+
+
+def _rank_main(rank: int, world: int, port: int, job: Job, results, inbox) -> None:
     """Entry point of a spawned rank: join the process group, train, report."""
     import torch.distributed as dist
 
@@ -149,7 +180,7 @@ def _rank_main(rank: int, world: int, port: int, job: Job, results) -> None:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=job.timeout_s))
         try:
             comm = Comm(rank, world, backend, job.program, job.timeout_s)
-            results.put(("ok", rank, run_rank(rank, job, comm)))
+            results.put(("ok", rank, run_rank(rank, job, comm, _queued(rank, inbox, job.timeout_s))))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # reported to the launcher, which re-raises it
@@ -189,19 +220,60 @@ def _context(modules: list[str]):
     return ctx
 
 
-def run_job(job: Job) -> list[RankResult]:
-    """Run ``job`` on every rank of its Program; results ordered by rank."""
+_DATA_FAILED = "the launcher's data failed"
+
+
+class _Feeder(threading.Thread):
+    """Draws the minibatches in the launcher and puts each into every rank's bounded queue, then
+    the end mark. An error of the data (a DataError of batch k) is kept for the launcher to raise
+    and a mark takes the batch's place in the queues, so the ranks run every step before it, as
+    a single rank does, and stop there."""
+
+    def __init__(self, batches, inboxes):
+        super().__init__(name="harmony-opt-feeder", daemon=True)
+        self.batches, self.inboxes = batches, inboxes
+        self.stop, self.error = threading.Event(), None
+
+    def _put(self, item) -> bool:
+        for inbox in self.inboxes:
+            while True:
+                if self.stop.is_set():
+                    return False
+                try:
+                    inbox.put(item, timeout=0.5)
+                    break
+                except queue_mod.Full:
+                    continue
+        return True
+
+    def run(self) -> None:
+        try:
+            for x, y in self.batches:       # copies: the queue moves what it sends into shared memory
+                if not self._put((x.clone(), y.clone())):
+                    return
+            self._put(None)
+        except BaseException as e:          # noqa: BLE001  (re-raised by the launcher)
+            self.error = e
+            self._put(_DATA_FAILED)
+
+
+def run_job(job: Job, batches) -> list[RankResult]:
+    """Run ``job`` on every rank of its Program over the minibatches ``batches`` yields (drawn as
+    the steps run); results ordered by rank."""
     world = job.program.gpus
     if world == 1:
         with intra_op_threads(host_threads(1, job.device, torch.get_num_threads())):
-            return [run_rank(0, job, None)]
+            return [run_rank(0, job, None, batches)]
     ctx = _context(layer_modules(job.layers))
     results = ctx.Queue()
+    inboxes = [ctx.Queue(maxsize=2) for _ in range(world)]
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results), name=f"harmony-opt-rank{r}")
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results, inboxes[r]),
+                         name=f"harmony-opt-rank{r}") for r in range(world)]
     for p in procs:
         p.start()
+    feeder = _Feeder(batches, inboxes)
+    feeder.start()
     got: dict[int, RankResult] = {}
     try:
         while len(got) < world:
@@ -215,6 +287,8 @@ def run_job(job: Job) -> list[RankResult]:
                                        f"under `if __name__ == \"__main__\":`, as any torch.multiprocessing code)")
                 continue
             if msg[0] == "error":
+                if feeder.error is not None and msg[3].endswith(_DATA_FAILED):
+                    raise feeder.error
                 _, rank, name, text, tb = msg
                 cls = getattr(errors, name, None)
                 if isinstance(cls, type) and issubclass(cls, errors.HarmonyOptError):
@@ -222,6 +296,10 @@ def run_job(job: Job) -> list[RankResult]:
                 raise RuntimeError(f"rank {rank} failed: {name}: {text}\n{tb}")
             got[msg[1]] = msg[2]
     finally:
+        feeder.stop.set()
+        feeder.join(timeout=5)    # a data loader blocked in a read is left to end with the process (daemon)
+        for inbox in inboxes:
+            inbox.cancel_join_thread()      # what a stopped rank never read must not hold up this process
         deadline = time.monotonic() + 30
         for p in procs:
             if len(got) < world:

@@ -157,14 +157,26 @@ def test_program_sized_for_another_model_is_refused():
         train(mlp(), make_plan(), steps=1, program=program, progress=False)
 
 
-def test_wrong_batch_size_is_refused_before_any_step(tmp_path):
+def test_wrong_first_batch_size_is_refused_before_any_step(tmp_path):
     model = mlp()
     before = weights(model)
-    data = [_batch(6, torch.Generator()), _batch(6, torch.Generator()), _batch(5, torch.Generator())]
-    with pytest.raises(DataError, match="data batch 2: inputs hold 5 samples but the plan's minibatch is 6"):
-        train(model, make_plan(), data, steps=3, checkpoint_dir=tmp_path, progress=False)
+    data = [_batch(5, torch.Generator()), _batch(6, torch.Generator())]
+    with pytest.raises(DataError, match=r"data batch 0: inputs hold 5 samples but the plan's minibatch is 6; .*"
+                                        r"drop_last=True"):
+        train(model, make_plan(), data, steps=2, checkpoint_dir=tmp_path, progress=False)
     assert same(weights(model), before)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_later_wrong_batch_stops_the_run_at_its_step(tmp_path, gpus):
+    """Minibatches stream, so batch 2 is checked when step 2 draws it: steps 0 and 1 ran (their
+    checkpoint, written every step, stays), the run stops there with the batch named."""
+    plan = make_plan(mode="vDP", gpus=gpus, microbatch_bwd=3)
+    data = [_batch(6, torch.Generator()), _batch(6, torch.Generator()), _batch(5, torch.Generator())]
+    with pytest.raises(DataError, match="data batch 2: inputs hold 5 samples but the plan's minibatch is 6"):
+        train(mlp(), plan, data, steps=3, checkpoint_dir=tmp_path, checkpoint_every=1, progress=False)
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
 
 
 def test_data_that_does_not_fit_the_model_is_refused():

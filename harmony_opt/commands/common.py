@@ -8,6 +8,11 @@ from ..core.errors import OutputError, PlanError, ProfileError, UsageError
 from ..core.io import check_writable
 
 
+MODEL_HELP = ("a built-in model name (gpt2-tiny, gpt2-xl, bert-large, ...), or your own: path/to/file.py:function "
+              "or package.module:function, a function returning a LayeredModel (--set KEY=VALUE are its keyword "
+              "arguments)")
+
+
 def plan_profile(plan, plan_path, override: str | None):
     """The profile a plan is checked or simulated with: ``override`` (a --profile argument), else the
     profile folder the plan records (``profile.path``, written for a plan made from a folder that is

@@ -1,9 +1,10 @@
-"""`harmony-opt profile` (measure a built-in model's layers) and `harmony-opt probe` (measure the machine).
+"""`harmony-opt profile` (measure a model's layers) and `harmony-opt probe` (measure the machine).
 
 ::
 
     harmony-opt profile gpt2-xl --device cuda --microbatch 1,2,4,8 -o profiles/gpt2_xl_h100
     harmony-opt profile gpt2-tiny --device cpu --microbatch 1-9:4 --set n_layer=2 -o /tmp/tiny
+    harmony-opt profile my_model.py:build --set width=256 -o /tmp/mine
     harmony-opt probe -o hardware.toml
 """
 from __future__ import annotations
@@ -12,15 +13,15 @@ import ast
 import re
 
 from ..core.errors import UsageError
-from .common import writable_file, writable_folder, written
+from .common import MODEL_HELP, writable_file, writable_folder, written
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+)(?::(\d+))?)?$")
 
 
 def register(sub):
-    p = sub.add_parser("profile", help="measure a built-in model's layers on this machine and write a profile folder")
-    p.add_argument("model", help="built-in model name (gpt2-medium, gpt2-xl, bert-large, bert-96, vgg416, "
-                                 "resnet1026, gpt2-tiny, bert-tiny, vgg-tiny, resnet-tiny)")
+    p = sub.add_parser("profile", help="measure a model's layers on this machine and write a profile folder")
+    p.add_argument("model", help=MODEL_HELP + "; built-in: gpt2-medium, gpt2-xl, bert-large, bert-96, vgg416, "
+                                 "resnet1026, gpt2-tiny, bert-tiny, vgg-tiny, resnet-tiny")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--microbatch", "-u", default="1,2,4",
                    help="sizes to measure: a comma list of N or A-B or A-B:STEP (default 1,2,4)")
@@ -42,15 +43,14 @@ def register(sub):
 
 
 def _profile(args):
-    from ..measure.models import build_model, model_spec
+    from ..measure.models import resolve_model
     from ..measure.profiler import check_sizes, profile_model, resolve_device
 
     device = resolve_device(args.device or _default_device())
     sizes = check_sizes(parse_microbatches(args.microbatch))
     overrides = parse_overrides(args.overrides)
-    model_spec(args.model, **overrides)   # name and options checked before anything is created
+    model = resolve_model(args.model, seed=args.seed, **overrides)    # a bad --model: refused before -o is made
     out = writable_folder(args.output)
-    model = build_model(args.model, seed=args.seed, **overrides)
     prof = profile_model(model, sizes, str(device), repeats=args.repeats, warmup=args.warmup,
                          progress=not args.no_progress, seed=args.seed)
     written(prof.save, out, f"the profile to {out}")

@@ -6,7 +6,7 @@ from pathlib import Path
 from ..core.errors import PlanError, UsageError
 from ..core.plan import Plan
 from ..core.units import fmt_bytes, parse_bytes
-from .common import writable_file
+from .common import MODEL_HELP, writable_file, writable_folder
 from .measure import add_overrides, parse_overrides
 
 
@@ -16,27 +16,39 @@ def register(sub):
     c.add_argument("-o", "--output", required=True, help="program JSON to write")
     c.add_argument("--model", default=None,
                    help="measure the model's tensor sizes so that the program carries bytes and the memory cap "
-                        "is checked")
+                        "is checked: " + MODEL_HELP)
     add_overrides(c, " (with --model; the same as the profile the plan was made from took)")
     c.add_argument("--memory-cap", default=None, help="bytes per GPU to check against (default: the plan's)")
     c.set_defaults(func=_compile)
 
     r = sub.add_parser("run", help="train a model with the plan's schedule (real tensors, CPU or GPUs)")
     r.add_argument("plan", help="plan JSON")
-    r.add_argument("--model", required=True, help="built-in model name (e.g. gpt2-tiny)")
+    r.add_argument("--model", required=True, help=MODEL_HELP)
     add_overrides(r, " (the same as the profile the plan was made from took)")
     r.add_argument("--program", default=None, metavar="FILE",
                    help="run this compiled program (from `harmony-opt compile`) instead of compiling the plan; "
                         "it must come from the same plan and, when it carries sizes, the same model")
-    r.add_argument("--steps", type=int, default=20, help="total steps, counted from step 0 (default 20)")
+    r.add_argument("--steps", type=int, default=None,
+                   help="total steps, counted from step 0 (default: 20, or with --data every minibatch of "
+                        "--epochs passes)")
     r.add_argument("--batch-data", choices=["synthetic"], default="synthetic",
-                   help="where minibatches come from: the model's seeded synthetic data")
+                   help="without --data: the model's seeded synthetic minibatches")
+    r.add_argument("--data", metavar="FILE", default=None,
+                   help="train on a .pt file holding a dict with tensors 'inputs' and 'targets' (samples on dim "
+                        "0): consecutive slices of the plan's minibatch, a last shorter slice dropped")
+    r.add_argument("--epochs", type=int, default=None, help="passes over --data (default 1)")
+    r.add_argument("--save", metavar="DIR", default=None,
+                   help="write the trained weights to DIR/model.pt: one state dict, keys prefixed with the layer "
+                        "index")
     r.add_argument("--checkpoint", metavar="DIR", default=None, help="write a checkpoint here (atomically)")
     r.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="also every N steps")
     r.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint")
     r.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     r.add_argument("--optimizer", default=None, help="adam, sgd or adamw (default: the model's)")
     r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the gradients to this global 2-norm, as torch.nn.utils.clip_grad_norm_ on the whole "
+                        "model (every pack's optimizer on the CPU)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--memory-cap", default=None, help="live device bytes per rank (default: the plan's)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,12 +59,11 @@ def register(sub):
     r.set_defaults(func=_run)
 
 
-def _model(name: str, items: list[str]):
-    """The built-in model ``name`` with the ``--set`` overrides ``items`` (as `profile --set` reads them)."""
-    from ..measure.models import build_model, model_spec
-    overrides = parse_overrides(items)
-    model_spec(name, **overrides)   # name and options checked before anything is created
-    return build_model(name, **overrides)
+def _model(spec: str, items: list[str]):
+    """The model ``--model`` names (a built-in name, ``file.py:function`` or ``module:function``) with
+    the ``--set`` overrides ``items`` (as `profile --set` reads them)."""
+    from ..measure.models import resolve_model
+    return resolve_model(spec, **parse_overrides(items))
 
 
 def _compile(args):
@@ -60,7 +71,7 @@ def _compile(args):
     from ..compile.validate import validate_program
 
     if args.overrides and not args.model:
-        raise UsageError("--set changes a built-in model's spec: give it with --model")
+        raise UsageError("--set changes the model's spec: give it with --model")
     plan = Plan.load(args.plan)
     sizes = None
     if args.model:
@@ -92,30 +103,41 @@ def _compile(args):
 
 def _run(args):
     from ..compile.program import Program
-    from ..training import train
+    from ..training import load_samples, save_weights, train
 
-    if args.steps < 0:
+    if args.steps is not None and args.steps < 0:
         raise UsageError(f"--steps must be >= 0, got {args.steps}")
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR")
+    if args.epochs is not None and not args.data:
+        raise UsageError("--epochs counts passes over --data FILE: give one, or --steps for synthetic data")
     plan = Plan.load(args.plan)
     program = Program.load(args.program) if args.program else None
     for option, path, example in (("--trace", args.trace, "trace.json"), ("--plot", args.plot, "gantt.png")):
         if path:                # a bad output path fails now, not after the training
             writable_file(path, option, example)
+    if args.save:
+        writable_file(str(writable_folder(args.save, f"--save {args.save}") / "model.pt"), "--save")
+    data = load_samples(args.data, plan.batch) if args.data else None
+    steps = args.steps if args.steps is not None or data is not None else 20
     model = _model(args.model, args.overrides)
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else None
-    res = train(model, plan, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
+    res = train(model, plan, data, optimizer=args.optimizer, lr=args.lr, steps=steps, epochs=args.epochs,
                 checkpoint_dir=Path(args.checkpoint) if args.checkpoint else None,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, memory_cap=cap,
-                progress=not args.no_progress, seed=args.seed, program=program,
+                progress=not args.no_progress, seed=args.seed, program=program, clip_grad_norm=args.clip_grad_norm,
                 trace=bool(args.trace or args.plot))
+    if args.save:
+        print(f"wrote {save_weights(Path(args.save) / 'model.pt', res.weights)}")
     ran = res.steps - res.start_step
     if ran == 0:
-        print(f"nothing to do: the checkpoint is at step {res.start_step} of {res.steps}")
+        print(f"nothing to do: the checkpoint is at step {res.start_step}" + (f" of {steps}" if steps else ""))
         return
     peak = ", ".join(fmt_bytes(b) for b in res.peak_device_bytes)
-    print(f"{args.model}: steps {res.start_step}..{res.steps - 1}, loss {res.losses[res.start_step]:.4f} -> "
+    if data is not None and len(data) * plan.batch < data.inputs.shape[0]:
+        print(f"note: {args.data}: the last {data.inputs.shape[0] - len(data) * plan.batch} samples of each epoch "
+              f"fill no whole minibatch of {plan.batch} and are not used")
+    print(f"{model.name}: steps {res.start_step}..{res.steps - 1}, loss {res.losses[res.start_step]:.4f} -> "
           f"{res.losses[-1]:.4f}, {res.samples_per_s:.1f} samples/s, peak device memory per rank {peak}")
     for note in res.program.notes:
         print(f"note: {note}")
@@ -127,4 +149,4 @@ def _run(args):
         if args.trace:
             print(f"wrote {measured.to_chrome_trace(args.trace)}")
         if args.plot:
-            print(f"wrote {measured.plot(args.plot, title=f'{args.model}: last step as measured')}")
+            print(f"wrote {measured.plot(args.plot, title=f'{model.name}: last step as measured')}")

@@ -327,3 +327,87 @@ def build_model(name: str, *, seed: int = 0, device: str | torch.device | None =
 def layer_count(name: str, **overrides) -> int:
     """Number of layers (loss included) of a built-in model, built on the meta device."""
     return build_model(name, device="meta", **overrides).num_layers
+
+
+# -- a user's own model ------------------------------------------------------------------------
+
+def resolve_model(spec: str, *, seed: int = 0, **overrides) -> LayeredModel:
+    """The model a command's ``--model`` names: a built-in name (``overrides`` are fields of its
+    spec), or ``path/to/file.py:function`` or ``package.module:function``, a function returning a
+    :class:`LayeredModel`, called with ``overrides`` as keyword arguments (``--set k=v``) and the
+    global random generator seeded with ``seed`` (so its initial weights repeat from command to
+    command). A file's folder goes on ``sys.path`` and the file is imported under its own name,
+    so that rank processes can import the module that defines its layers. The user's code runs
+    only because the user named it; anything wrong is a UsageError in one line."""
+    text = str(spec).strip()
+    if ":" not in text:
+        try:
+            model_spec(text, **overrides)   # name and options checked before anything is created
+        except UsageError as e:
+            if str(e).startswith("unknown model"):
+                raise UsageError(f"{e}; or your own model as path/to/file.py:function or "
+                                 f"package.module:function") from None
+            raise
+        return build_model(text, seed=seed, **overrides)
+    where, _, name = text.rpartition(":")
+    module = _user_module(text, where)
+    fn = getattr(module, name, None)
+    if not name.isidentifier() or fn is None:
+        raise UsageError(f"--model {text}: {where} has no function {name!r}")
+    if not callable(fn):
+        raise UsageError(f"--model {text}: {name} is a {type(fn).__name__}, not a function")
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = fn(**overrides)
+    except Exception as e:      # the user's code: its failure is the user's to read, in one line
+        args = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+        first = (str(e).splitlines() or [""])[0]
+        raise UsageError(f"--model {text}: {name}({args}) raised {type(e).__name__}: {first}") from None
+    if not isinstance(model, LayeredModel):
+        raise UsageError(f"--model {text}: {name}() returned {type(model).__name__}, not a "
+                         f"harmony_opt.measure.decompose.LayeredModel")
+    return model
+
+
+def _user_module(text: str, where: str):
+    """The module of a ``file.py:function`` or ``package.module:function`` spec, imported."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise UsageError(f"--model {text}: no such file {where}")
+        mod_name = path.stem
+        known = sys.modules.get(mod_name)
+        if known is not None:
+            if Path(getattr(known, "__file__", "") or "").resolve() == path:
+                return known
+            raise UsageError(f"--model {text}: a module named {mod_name!r} is already imported from elsewhere; "
+                             f"rename {path.name}")
+        if not mod_name.isidentifier():
+            raise UsageError(f"--model {text}: {path.name} is not importable as a module (name it like my_model.py)")
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[mod_name] = module
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        try:
+            loader_spec.loader.exec_module(module)
+        except BaseException as e:
+            del sys.modules[mod_name]
+            if not isinstance(e, Exception):
+                raise
+            first = (str(e).splitlines() or [""])[0]
+            raise UsageError(f"--model {text}: importing {where} failed: {type(e).__name__}: {first}") from None
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise UsageError(f"--model {text}: no module named {e.name!r}") from None
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0]
+        raise UsageError(f"--model {text}: importing {where} failed: {type(e).__name__}: {first}") from None

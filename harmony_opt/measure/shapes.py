@@ -11,12 +11,13 @@ for the validator's memory check.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
 
 from ..compile.program import LayerBytes
-from ..core.errors import DataError
+from ..core.errors import DataError, UsageError
 from .profiler import saved_counts
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
@@ -114,3 +115,27 @@ def _per_sample(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Te
             with torch.no_grad():
                 x = layer(x) if l < R - 1 else x
     return cols
+
+
+def check_mean_loss(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """Refuse a loss that does not average over its samples (``reduction="sum"``, say): the executor
+    weights each microbatch's loss by its share of the minibatch, which gives the minibatch's
+    gradient only for a mean. Checked on the first two samples: the loss of both must be the mean of
+    each one's loss (eval mode, no grad, so nothing changes)."""
+    loss = layers[-1]
+    for m in loss.modules():
+        if isinstance(getattr(m, "reduction", None), str) and m.reduction in ("sum", "none"):
+            raise UsageError(f"the loss {_describe(len(layers) - 1, loss)} has reduction={m.reduction!r}: the "
+                             f"loss layer must return the mean over its samples; use reduction='mean'")
+    if inputs.shape[0] < 2:
+        return
+    with torch.no_grad(), _eval(layers), torch.random.fork_rng(devices=[]):
+        x = inputs[:2]
+        for layer in layers[:-1]:
+            x = layer(x)
+        both, one, two = (float(loss(x[s], targets[s])) for s in (slice(0, 2), slice(0, 1), slice(1, 2)))
+    mean = (one + two) / 2
+    if math.isfinite(both) and math.isfinite(mean) and abs(both - mean) > 1e-4 * max(abs(both), abs(mean)):
+        raise UsageError(f"the loss {_describe(len(layers) - 1, loss)} of two samples is {both:.6g} but the mean "
+                         f"of their own losses is {mean:.6g}: the loss layer must return the mean over its samples "
+                         f"(e.g. reduction='mean', not 'sum'), or a split microbatch's gradient would differ")
