@@ -5,7 +5,7 @@ returns a Plan; the simulator scores any Plan as a Timeline; the compiler lowers
 Plan to a Program that the runtime executes.
 """
 from .core.errors import (DataError, HardwareError, HarmonyOptError, InfeasibleError, PlanError, ProfileError,
-                     ProgramError, RuntimeMemoryError, UsageError)
+                     ProgramError, RuntimeMemoryError, UnsupportedModelError, UsageError)
 from .core.hardware import PRESETS, Hardware, get_hardware
 from .core.plan import PackOptions, Plan
 from .core.profile import PhaseCosts, Profile
@@ -15,14 +15,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataError", "HardwareError", "HarmonyOptError", "InfeasibleError", "PlanError", "ProfileError",
-    "ProgramError", "RuntimeMemoryError", "UsageError", "PRESETS", "Hardware", "get_hardware",
-    "PackOptions", "Plan", "PhaseCosts", "Profile", "bundled_names", "load_profile",
+    "ProgramError", "RuntimeMemoryError", "UnsupportedModelError", "UsageError", "PRESETS", "Hardware",
+    "get_hardware", "PackOptions", "Plan", "PhaseCosts", "Profile", "bundled_names", "load_profile",
 ]
 
 # The runtime side imports torch (about a second): loaded on first use, so that planning,
 # simulating and the other torch-free commands start fast.
 _LAZY = {"compile_plan": "compile.compiler", "Program": "compile.program", "validate_program": "compile.validate",
-         "TrainResult": "training", "train": "training"}
+         "TrainResult": "training", "train": "training", "decompose_hf": "measure.hf",
+         "LayeredModel": "measure.decompose"}
 __all__ += list(_LAZY)
 
 

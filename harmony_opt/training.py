@@ -109,6 +109,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     """
     from harmony_opt.runtime.checkpoint import load_checkpoint, restore_layers
     from harmony_opt.runtime.optim import check_scheduler, make_factory, optimizer_states
+    from harmony_opt.runtime.tied import tie_schedule
     from harmony_opt.measure.shapes import boundary_shapes, check_mean_loss, measure_layer_bytes
     from harmony_opt.runtime.worker import Job, run_job
 
@@ -141,6 +142,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     else:
         shapes, sizes = [], None
     program = _program(plan, layers, program, sizes, cap)
+    tie_schedule(program, layers)       # tied weights (an LM head and its embedding): one exact update, or refused
     if state:
         restore_layers(layers, state)
     for layer in layers:

@@ -591,7 +591,9 @@ class Executor:
             self.deferred.append(ins.layers)
             return
         if ins.stream is Stream.CPU:
-            events = [self.streams.events[w] for w in ins.waits_on if w in self.streams.events]
+            # a tied parameter's owner also waits for the other copies' dW (runtime.tied)
+            deps = (*ins.waits_on, *self.optim.ties.waits.get(ins.id, ()))
+            events = [self.streams.events[w] for w in deps if w in self.streams.events]
 
             def step():
                 for ev in events:

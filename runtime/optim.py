@@ -30,6 +30,7 @@ from harmony_opt.core.errors import UsageError
 from harmony_opt.core.hardware import usable_cores
 
 from .buffers import host_copy, host_empty
+from .tied import Ties
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -112,21 +113,24 @@ class PackOptimizers:
     schedule of the step count gives every pack the learning rate one optimizer would have)."""
 
     def __init__(self, layers: list[nn.Module], packs: list[tuple[int, int]], factory: OptimizerFactory,
-                 scheduler: SchedulerFactory | None = None):
+                 scheduler: SchedulerFactory | None = None, ties: Ties | None = None):
         self.layers = layers
+        self.ties = ties or Ties()
         self.params: dict[tuple, list[tuple[int, str, nn.Parameter]]] = {}
         self.opts: dict[tuple, torch.optim.Optimizer | None] = {}
         self.scheds: dict[tuple, object] = {}
         self.grads: dict[tuple[int, str], torch.Tensor] = {}
         for pack in packs:
-            ps = [(l, n, p) for l in range(pack[0], pack[1] + 1)
-                  for n, p in layers[l].named_parameters() if p.requires_grad]
+            every = [(l, n, p) for l in range(pack[0], pack[1] + 1)
+                     for n, p in layers[l].named_parameters() if p.requires_grad]
+            for l, n, p in every:
+                self.grads[(l, n)] = host_empty(p.shape, p.dtype)
+            # a tied parameter is stepped once, by its owner copy's pack (runtime.tied)
+            ps = [(l, n, p) for l, n, p in every if (l, n) not in self.ties.skip]
             self.params[pack] = ps
             self.opts[pack] = factory([p for _, _, p in ps]) if ps else None
             if scheduler is not None and self.opts[pack] is not None:
                 self.scheds[pack] = scheduler(self.opts[pack])
-            for l, n, p in ps:
-                self.grads[(l, n)] = host_empty(p.shape, p.dtype)
 
     def step_schedulers(self, loss: float) -> None:
         """One scheduler step after a training step's updates (ReduceLROnPlateau gets the step's loss)."""
@@ -141,7 +145,7 @@ class PackOptimizers:
         then the host steps of ``packs``: the 2-norm over the gradients of the packs this rank updates
         (every pack is updated by exactly one rank), summed over the ranks, so each gradient counts
         once; returns the global norm."""
-        squares = sum(float(torch.linalg.vector_norm(self.grads[(l, n)]).double() ** 2)
+        squares = sum(float(torch.linalg.vector_norm(self._summed(l, n)).double() ** 2)
                       for pack in self.params for l, n, _ in self.params[pack])
         total = (comm.sum_float(squares) if comm else squares) ** 0.5
         coef = min(1.0, max_norm / (total + 1e-6))
@@ -151,6 +155,12 @@ class PackOptimizers:
         for pack in packs:
             self.step_host(pack)
         return total
+
+    def _summed(self, layer: int, name: str) -> torch.Tensor:
+        """A parameter's gradient as its update sees it: a tied one's summed over its copies."""
+        g = self.grads[(layer, name)]
+        others = self.ties.others.get((layer, name), ())
+        return g if not others else g + sum(self.grads[c] for c in others)
 
     def grad_buffer(self, layer: int, name: str) -> torch.Tensor:
         return self.grads[(layer, name)]
@@ -169,6 +179,8 @@ class PackOptimizers:
             return
         for l, n, p in ps:
             p.grad = self.grads[(l, n)]
+            for c in self.ties.others.get((l, n), ()):     # a tied parameter: all its copies' gradients, summed
+                p.grad.add_(self.grads[c])
         opt.step()
         for _, _, p in ps:
             p.grad = None

@@ -37,6 +37,7 @@ from .checkpoint import save_checkpoint
 from .comm import Comm
 from .executor import Executor
 from .optim import OptimizerFactory, PackOptimizers, SchedulerFactory, host_threads, intra_op_threads
+from .tied import tie_schedule
 
 
 @dataclasses.dataclass
@@ -86,7 +87,8 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     """The training loop of one rank over ``batches`` (an iterable of minibatches, from start_step
     on); a checkpoint every ``checkpoint_every`` steps and after the last one."""
     device = torch.device(job.device if job.device != "cuda" else f"cuda:{rank}")
-    optim = PackOptimizers(job.layers, updated_packs(job.program, rank), job.factory, job.scheduler)
+    optim = PackOptimizers(job.layers, updated_packs(job.program, rank), job.factory, job.scheduler,
+                           tie_schedule(job.program, job.layers, rank))
     if job.optimizer_state:
         optim.load_state_dicts(job.optimizer_state, job.scheduler_state)
     ex = Executor(job.program, rank, job.layers, optim, job.shapes, device=device, comm=comm,

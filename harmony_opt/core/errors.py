@@ -15,6 +15,10 @@ class UsageError(HarmonyOptError):
     """A command-line argument or API argument is malformed."""
 
 
+class UnsupportedModelError(UsageError):
+    """A model whose layout the decomposer does not know (it names what it looked for and did not find)."""
+
+
 class ProfileError(HarmonyOptError):
     """A profile folder or table is missing, malformed or inconsistent."""
 

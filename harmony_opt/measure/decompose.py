@@ -11,27 +11,20 @@ Three ways in::
 
     layers = decompose(nn.Sequential(...), nn.CrossEntropyLoss())          # children
     layers = decompose(my_model, loss, split_at=(MyBlock,), example_input=x)  # torch.fx
-    layers = decompose_gpt2(GPT2LMHeadModel(config))                         # Hugging Face
-    layers = decompose_bert(BertForSequenceClassification(config))
+    model = decompose_hf(AutoModelForCausalLM.from_config(config))          # Hugging Face (measure.hf)
 
-Layers share their parameters with the model they came from (no copies), except the
-LM head of a GPT-2 whose weight is tied to the token embedding: see
-:func:`decompose_gpt2`.
+Layers share their parameters with the model they came from (no copies); a head tied to
+the token embedding stays tied (both layers hold the one parameter).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-import logging
 from typing import Callable
 
 import torch
 from torch import nn
 
 from ..core.errors import UsageError
-
-log = logging.getLogger(__name__)
 
 MakeBatch = Callable[[int, torch.Generator], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -54,6 +47,13 @@ class LayeredModel:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def tied(self) -> list[tuple[tuple[int, str], ...]]:
+        """Parameters held by more than one layer (an LM head tied to its embedding), as groups of
+        ``(layer, name)``: the executor sums their gradients into one update (runtime/tied.py)."""
+        from harmony_opt.runtime.tied import tied_groups
+        return tied_groups(self.layers)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The chain's loss on one batch: the reference every executor must reproduce."""
@@ -176,122 +176,22 @@ def _check_same_output(model: nn.Module, body: list[nn.Module], x: torch.Tensor)
                          f"with dropout off?)")
 
 
-# -- Hugging Face transformers -----------------------------------------------------------------
-
-class FirstOutput(nn.Module):
-    """Runs a Hugging Face block and keeps its hidden states: some versions return tuples."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.block(hidden)
-        return out[0] if isinstance(out, tuple) else out
-
-
-class GPT2Embedding(nn.Module):
-    """Token plus position embeddings of GPT-2, then dropout (as ``GPT2Model.forward``)."""
-
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module):
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
-
-
-@functools.cache
-def _cache_kwarg() -> str:
-    """``create_causal_mask``'s name for the key/value cache, which transformers renamed."""
-    from transformers.masking_utils import create_causal_mask
-    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-
-
-class GPT2Layer(nn.Module):
-    """One GPT-2 block with the causal mask ``GPT2Model`` would build for it.
-
-    The mask is made by transformers' own ``create_causal_mask`` from the config, so it
-    matches the attention implementation in use (``None`` for SDPA, which then runs
-    causally; an additive mask for eager attention).
-    """
-
-    def __init__(self, block: nn.Module, config):
-        super().__init__()
-        self.block = block
-        self.config = config
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        # no cache: named `cache` in newer transformers, `past_key_values` (deprecated there) before
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  position_ids=positions, **{_cache_kwarg(): None})
-        out = self.block(hidden, attention_mask=mask)
-        return out[0] if isinstance(out, tuple) else out
-
-
-class CausalLMLoss(nn.Module):
-    """Next-token cross entropy, mean over all predicted tokens (``GPT2LMHeadModel``'s loss).
-
-    Every sample has the same number of tokens, so this is also the mean over samples.
-    """
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        shifted = logits[:, :-1, :].float()
-        return nn.functional.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1))
-
+# -- Hugging Face transformers (harmony_opt.measure.hf) ----------------------------------------------
 
 class ClassificationLoss(nn.Module):
-    """Cross entropy over ``num_labels`` classes, mean over samples (``BertForSequenceClassification``)."""
+    """Cross entropy over the classes, mean over samples (``BertForSequenceClassification``'s loss)."""
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def decompose_gpt2(hf_model: nn.Module) -> list[nn.Module]:
-    """Layers of a ``GPT2LMHeadModel``: embeddings, each block, final norm, LM head, loss.
-
-    ``n_layer + 4`` layers, as in Harmony's GPT-2 profiles. Harmony swaps the LM head
-    and the embedding as separate layers, so a head tied to the token embedding
-    (transformers' default) is untied here: the head gets a copy of the weight, and
-    training then follows the untied model. Build with ``tie_word_embeddings=False``
-    (as :mod:`harmony_opt.measure.models` does) to avoid the copy.
-    """
-    transformer, head = _require(hf_model, "GPT2LMHeadModel", "transformer", "lm_head")
-    if head.weight is transformer.wte.weight:
-        log.warning("GPT-2 LM head is tied to the token embedding; the head layer gets its own copy "
-                    "(build with tie_word_embeddings=False to train exactly the layered model)")
-        untied = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
-                           device=head.weight.device, dtype=head.weight.dtype)
-        with torch.no_grad():
-            untied.weight.copy_(head.weight)
-            if head.bias is not None:
-                untied.bias.copy_(head.bias)
-        head = untied
-    return [GPT2Embedding(transformer.wte, transformer.wpe, transformer.drop),
-            *(GPT2Layer(block, hf_model.config) for block in transformer.h),
-            transformer.ln_f, head, CausalLMLoss()]
+    """Layers of a ``GPT2LMHeadModel`` (:func:`harmony_opt.measure.hf.decompose_gpt2`)."""
+    from .hf import decompose_gpt2 as cut
+    return cut(hf_model)
 
 
 def decompose_bert(hf_model: nn.Module) -> list[nn.Module]:
-    """Layers of a ``BertForSequenceClassification``: embeddings, each encoder layer, pooler, head, loss.
-
-    ``num_hidden_layers + 4`` layers, the cut of Harmony's BERT profiles (whose head is
-    a 2-class linear layer). No attention mask is passed: every token attends to every
-    token, as ``BertModel`` does when given no mask.
-    """
-    bert, classifier = _require(hf_model, "BertForSequenceClassification", "bert", "classifier")
-    if bert.pooler is None:
-        raise UsageError("the BERT model has no pooler (add_pooling_layer=False); the classification "
-                         "head needs the pooled output")
-    return [bert.embeddings, *(FirstOutput(layer) for layer in bert.encoder.layer),
-            bert.pooler, nn.Sequential(hf_model.dropout, classifier), ClassificationLoss()]
-
-
-def _require(model: nn.Module, cls: str, *attrs: str) -> tuple[nn.Module, ...]:
-    if not all(hasattr(model, a) for a in attrs):
-        raise UsageError(f"expected a Hugging Face {cls} (with {', '.join(attrs)}), got {type(model).__name__}")
-    return tuple(getattr(model, a) for a in attrs)
+    """Layers of a ``BertForSequenceClassification`` (:func:`harmony_opt.measure.hf.decompose_bert`)."""
+    from .hf import decompose_bert as cut
+    return cut(hf_model)

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..core.errors import UsageError
-from .decompose import LayeredModel, decompose, decompose_bert, decompose_gpt2
+from .decompose import LayeredModel, decompose
+from .hf import decompose_bert, decompose_gpt2
 
 # -- specifications ----------------------------------------------------------------------------
 
