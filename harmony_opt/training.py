@@ -358,6 +358,13 @@ def load_samples(path: str | Path, batch: int) -> SampleSlices:
     return SampleSlices(x, y, batch)
 
 
+def save_pretrained(hf_model, folder: str | Path) -> Path:
+    """``hf_model.save_pretrained(folder)``, each file replaced atomically (written in a temporary
+    folder beside it first), so an interrupted save leaves the files as they were."""
+    from .core.io import atomic_folder
+    return atomic_folder(folder, hf_model.save_pretrained)
+
+
 def save_weights(path: str | Path, weights: list[dict[str, torch.Tensor]]) -> Path:
     """Every layer's state dict (``TrainResult.weights``) as one, keys prefixed with the layer's index
     (``"3.weight"``: as ``nn.Sequential(*model.layers).state_dict()`` names them), written atomically."""

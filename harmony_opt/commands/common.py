@@ -8,9 +8,10 @@ from ..core.errors import OutputError, PlanError, ProfileError, UsageError
 from ..core.io import check_writable
 
 
-MODEL_HELP = ("a built-in model name (gpt2-tiny, gpt2-xl, bert-large, ...), or your own: path/to/file.py:function "
-              "or package.module:function, a function returning a LayeredModel (--set KEY=VALUE are its keyword "
-              "arguments)")
+MODEL_HELP = ("a built-in model name (gpt2-tiny, gpt2-xl, bert-large, ...), or your own: a Hugging Face model folder "
+              "(config.json, and its weights when present; --set KEY=VALUE are config fields), or "
+              "path/to/file.py:function or package.module:function, a function returning a LayeredModel (--set "
+              "KEY=VALUE are its keyword arguments)")
 
 
 def plan_profile(plan, plan_path, override: str | None):

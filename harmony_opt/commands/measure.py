@@ -49,7 +49,7 @@ def _profile(args):
     device = resolve_device(args.device or _default_device())
     sizes = check_sizes(parse_microbatches(args.microbatch))
     overrides = parse_overrides(args.overrides)
-    model = resolve_model(args.model, seed=args.seed, **overrides)    # a bad --model: refused before -o is made
+    model = resolve_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code, **overrides)    # a bad --model: refused before -o is made
     out = writable_folder(args.output)
     prof = profile_model(model, sizes, str(device), repeats=args.repeats, warmup=args.warmup,
                          progress=not args.no_progress, seed=args.seed)
@@ -99,6 +99,9 @@ def add_overrides(p, also: str = "") -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the model's spec, e.g. --set n_layer=2 --set sequence_length=512"
                         + also)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="a Hugging Face model folder may run the code it ships (transformers' trust_remote_code); "
+                        "off by default: a folder is data")
 
 
 def parse_overrides(items: list[str]) -> dict:

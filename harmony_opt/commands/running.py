@@ -59,11 +59,11 @@ def register(sub):
     r.set_defaults(func=_run)
 
 
-def _model(spec: str, items: list[str]):
-    """The model ``--model`` names (a built-in name, ``file.py:function`` or ``module:function``) with
-    the ``--set`` overrides ``items`` (as `profile --set` reads them)."""
+def _model(spec: str, items: list[str], trust_remote_code: bool = False):
+    """The model ``--model`` names (a built-in name, a Hugging Face folder, ``file.py:function`` or
+    ``module:function``) with the ``--set`` overrides ``items`` (as `profile --set` reads them)."""
     from ..measure.models import resolve_model
-    return resolve_model(spec, **parse_overrides(items))
+    return resolve_model(spec, trust_remote_code=trust_remote_code, **parse_overrides(items))
 
 
 def _compile(args):
@@ -81,7 +81,7 @@ def _compile(args):
 
         from ..training import check_plan
 
-        model = _model(args.model, args.overrides)
+        model = _model(args.model, args.overrides, args.trust_remote_code)
         try:
             check_plan(model, plan)
         except PlanError as e:
@@ -103,7 +103,7 @@ def _compile(args):
 
 def _run(args):
     from ..compile.program import Program
-    from ..training import load_samples, save_weights, train
+    from ..training import load_samples, save_pretrained, save_weights, train
 
     if args.steps is not None and args.steps < 0:
         raise UsageError(f"--steps must be >= 0, got {args.steps}")
@@ -120,14 +120,17 @@ def _run(args):
         writable_file(str(writable_folder(args.save, f"--save {args.save}") / "model.pt"), "--save")
     data = load_samples(args.data, plan.batch) if args.data else None
     steps = args.steps if args.steps is not None or data is not None else 20
-    model = _model(args.model, args.overrides)
+    model = _model(args.model, args.overrides, args.trust_remote_code)
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else None
     res = train(model, plan, data, optimizer=args.optimizer, lr=args.lr, steps=steps, epochs=args.epochs,
                 checkpoint_dir=Path(args.checkpoint) if args.checkpoint else None,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, memory_cap=cap,
                 progress=not args.no_progress, seed=args.seed, program=program, clip_grad_norm=args.clip_grad_norm,
                 trace=bool(args.trace or args.plot))
-    if args.save:
+    if args.save and hasattr(model.source, "save_pretrained"):
+        # a Hugging Face model: the layers trained its own parameters (a tied head is the embedding's)
+        print(f"wrote {save_pretrained(model.source, args.save)} (Hugging Face save_pretrained)")
+    elif args.save:
         print(f"wrote {save_weights(Path(args.save) / 'model.pt', res.weights)}")
     ran = res.steps - res.start_step
     if ran == 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -57,6 +58,32 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         if isinstance(e, OSError) and not isinstance(e, OutputError):
             raise _output_error(path, e) from e
         raise
+    return path
+
+
+def atomic_folder(path: str | Path, write) -> Path:
+    """``write(folder)`` into a temporary folder beside ``path``, then each file it wrote moved into
+    ``path`` with ``os.replace`` (atomic per file): for writers that only take a folder, such as
+    Hugging Face's ``save_pretrained``. Files of ``path`` that ``write`` does not write stay."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as e:
+        raise _output_error(path, e) from None
+    try:
+        write(tmp)
+        for f in sorted(tmp.rglob("*")):
+            target = path / f.relative_to(tmp)
+            if f.is_dir():
+                target.mkdir(exist_ok=True)
+            else:
+                os.chmod(f, _mode_for(target))
+                os.replace(f, target)
+    except OSError as e:
+        raise _output_error(path, e) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -43,6 +43,9 @@ class LayeredModel:
     layers: list[nn.Module]
     make_batch: MakeBatch
     meta: dict = dataclasses.field(default_factory=dict)
+    #: the undecomposed model the layers share their parameters with, where known (decompose_hf's
+    #: Hugging Face model: ``run --save`` writes it with ``save_pretrained``)
+    source: nn.Module | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -326,7 +327,64 @@ def decompose_hf(hf_model: nn.Module, *, example: tuple[torch.Tensor, torch.Tens
     meta = {"sequence_length": sequence_length, "optimizer": "adam", "family": config.model_type,
             "description": f"{type(hf_model).__name__} ({config.model_type}), {len(layers)} layers",
             "dtype": str(next(hf_model.parameters()).dtype).removeprefix("torch.")}
-    return LayeredModel(name or config.model_type, layers, make, meta)
+    return LayeredModel(name or config.model_type, layers, make, meta, source=hf_model)
+
+
+#: The weight files of a Hugging Face model folder (one file, or shards with an index)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def load_hf_directory(path: str | Path, *, seed: int = 0, trust_remote_code: bool = False,
+                      **config_overrides) -> LayeredModel:
+    """A Hugging Face model folder as a :class:`LayeredModel` (:func:`decompose_hf`): its
+    ``config.json`` (``config_overrides``, e.g. ``num_hidden_layers=2``, replace fields of it), and its
+    weights where the folder has them, else a random initialisation seeded by ``seed``. The class
+    comes from the config's ``architectures`` (a causal LM, masked LM or sequence classifier). The
+    folder is data: code in it runs only with ``trust_remote_code=True``, and ``.bin`` weights load
+    as transformers loads them (``weights_only``)."""
+    path = Path(path)
+    where = f"--model {path}"
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{where}: no config.json in this folder; give a Hugging Face model folder "
+                         f"(save_pretrained writes one), a built-in name or path/to/file.py:function")
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(f"{where}: a Hugging Face folder needs transformers: pip install 'harmony-opt[hf]'") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                         **config_overrides)
+    except Exception as e:      # a broken config.json, remote code refused, an unknown model type
+        raise UsageError(f"{where}: config.json: {_first_line(e)}") from None
+    unknown = [k for k in config_overrides if not hasattr(config, k)]
+    if unknown:
+        raise UsageError(f"{where}: --set {unknown[0]}: not a field of its config ({type(config).__name__})")
+    arch = next(iter(getattr(config, "architectures", None) or []), "")
+    auto = next((getattr(transformers, cls) for ends, cls in _AUTO if arch.endswith(ends)), None)
+    if auto is None:
+        raise UnsupportedModelError(f"{where}: architecture {arch or '(none named)'} is not a causal LM, masked "
+                                    f"LM or sequence classifier (config.json 'architectures')")
+    weights = any((path / f).is_file() for f in WEIGHT_FILES)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if weights:
+                hf = auto.from_pretrained(path, config=config, trust_remote_code=trust_remote_code)
+            else:
+                hf = auto.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise UsageError(f"{where}: {'loading its weights' if weights else 'building it'}: {_first_line(e)}") from None
+    model = decompose_hf(hf, name=path.resolve().name)
+    model.meta.update(hf_directory=str(path.resolve()), hf_weights=weights)
+    return model
+
+
+_AUTO = (("ForCausalLM", "AutoModelForCausalLM"), ("LMHeadModel", "AutoModelForCausalLM"),
+         ("ForMaskedLM", "AutoModelForMaskedLM"), ("ForSequenceClassification", "AutoModelForSequenceClassification"))
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _token_batch(vocab: int, seq: int, num_labels: int | None, masked: bool, batch: int, gen: torch.Generator):

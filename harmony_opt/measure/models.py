@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -332,15 +333,21 @@ def layer_count(name: str, **overrides) -> int:
 
 # -- a user's own model ------------------------------------------------------------------------
 
-def resolve_model(spec: str, *, seed: int = 0, **overrides) -> LayeredModel:
+def resolve_model(spec: str, *, seed: int = 0, trust_remote_code: bool = False, **overrides) -> LayeredModel:
     """The model a command's ``--model`` names: a built-in name (``overrides`` are fields of its
-    spec), or ``path/to/file.py:function`` or ``package.module:function``, a function returning a
+    spec), a Hugging Face model folder (``overrides`` are fields of its config; measure.hf.
+    load_hf_directory, its code run only with ``trust_remote_code``), or ``path/to/file.py:function``
+    or ``package.module:function``, a function returning a
     :class:`LayeredModel`, called with ``overrides`` as keyword arguments (``--set k=v``) and the
     global random generator seeded with ``seed`` (so its initial weights repeat from command to
     command). A file's folder goes on ``sys.path`` and the file is imported under its own name,
     so that rank processes can import the module that defines its layers. The user's code runs
     only because the user named it; anything wrong is a UsageError in one line."""
     text = str(spec).strip()
+    if Path(text).expanduser().is_dir():
+        from .hf import load_hf_directory
+        return load_hf_directory(Path(text).expanduser(), seed=seed, trust_remote_code=trust_remote_code,
+                                 **overrides)
     if ":" not in text:
         try:
             model_spec(text, **overrides)   # name and options checked before anything is created
