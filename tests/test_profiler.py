@@ -16,7 +16,7 @@ from harmony_opt.measure.probe import probe_hardware
 from harmony_opt.core.profile import Profile
 from harmony_opt.measure.profiler import cpu_update_time, profile_model, saved_bytes
 
-FAST = dict(repeats=1, warmup=0, progress=False)
+FAST = dict(repeats=1, max_repeats=1, warmup=0, progress=False)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

@@ -1,7 +1,8 @@
 """`harmony-opt check FILE`: load and validate a profile, hardware, plan or program file.
 
 The loaders are the ones every other command uses, so a file that passes here will not
-be refused later for its shape; a plan is also checked against its profile and memory
+be refused later for its shape; a profile's suspicious times are printed as warnings, one
+line each (``measure.flags``: they do not make it invalid); a plan is also checked against its profile and memory
 cap when they can be found, and a program is replayed by the program validator.
 """
 from __future__ import annotations
@@ -53,6 +54,9 @@ def _check(args):
         p = Profile.load(path)
         print(f"ok: profile {p.name}, {p.num_layers} layers, FWD sizes {p.sizes('FWD').tolist()}, "
               f"BWD sizes {p.sizes('BWD').tolist()}")
+        from ..measure.flags import profile_warnings
+        for line in profile_warnings(p):
+            print(f"warning: {line}")
     elif kind == "hardware":
         from ..core.hardware import Hardware
         hw = Hardware.load(path)

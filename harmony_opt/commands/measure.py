@@ -26,8 +26,13 @@ def register(sub):
     p.add_argument("--microbatch", "-u", default="1,2,4",
                    help="sizes to measure: a comma list of N or A-B or A-B:STEP (default 1,2,4)")
     p.add_argument("-o", "--output", required=True, help="profile folder to write")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default 3)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="fewest timed runs per measurement (default 5); the median of the runs is kept, outliers "
+                        "dropped")
+    p.add_argument("--max-repeats", type=int, default=None,
+                   help="most timed runs per measurement, until the median settles (default 4 x --repeats)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before them (default 1)")
+    add_threads(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the input batches")
     add_overrides(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -39,6 +44,7 @@ def register(sub):
     q.add_argument("-o", "--output", required=True, help="hardware file to write (.toml, or .json)")
     q.add_argument("--sizes", default=None, help="transfer sizes, e.g. 4MiB,32MiB,256MiB (default)")
     q.add_argument("--repeats", type=int, default=5, help="copies per size (default 5)")
+    add_threads(q)
     q.set_defaults(func=_probe)
 
 
@@ -51,13 +57,15 @@ def _profile(args):
     overrides = parse_overrides(args.overrides)
     model = resolve_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code, **overrides)    # a bad --model: refused before -o is made
     out = writable_folder(args.output)
-    prof = profile_model(model, sizes, str(device), repeats=args.repeats, warmup=args.warmup,
-                         progress=not args.no_progress, seed=args.seed)
+    prof = profile_model(model, sizes, str(device), repeats=args.repeats, max_repeats=args.max_repeats,
+                         warmup=args.warmup, threads=args.threads, progress=not args.no_progress, seed=args.seed)
     written(prof.save, out, f"the profile to {out}")
     print(f"wrote {out}: {prof.name}, {prof.num_layers} layers, microbatch {', '.join(map(str, prof.sizes('FWD')))}"
-          f" on {prof.meta['device']}")
+          f" on {prof.meta['device']}, {prof.meta['threads']} intra-op thread(s)")
     for note in prof.meta.get("skipped", []):
         print(f"note: {note}")
+    for line in prof.meta.get("warnings", []):
+        print(f"warning: {line}")
 
 
 def _probe(args):
@@ -69,10 +77,27 @@ def _probe(args):
         parse_bytes(s, "--sizes") for s in args.sizes.split(",") if s.strip())
     if not sizes or args.repeats < 1:
         raise UsageError("--sizes needs at least one size and --repeats must be >= 1")
-    hw = probe_hardware(args.device or _default_device(), sizes, repeats=args.repeats)
+    hw = probe_hardware(args.device or _default_device(), sizes, repeats=args.repeats, threads=args.threads)
     written(hw.save, path, f"the hardware file {path}")
     print(f"wrote {path}: {hw.name}, {hw.gpus} device(s) of {fmt_bytes(hw.gpu_memory_bytes)} usable, "
           f"host->device {hw.h2d_bandwidth / 1e9:.1f} GB/s, device->host {hw.d2h_bandwidth / 1e9:.1f} GB/s")
+
+
+def add_threads(p) -> None:
+    """``--threads N``: intra-op threads while measuring; the default is what the executor's rank uses."""
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="intra-op threads while measuring (default: as the executor runs one rank on this "
+                        "device: the usable cores, two fewer with a GPU); recorded in the output")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UsageError(f"--threads: expected a whole number >= 1, got {text!r}")
+    return n
 
 
 def parse_microbatches(text: str) -> list[int]:

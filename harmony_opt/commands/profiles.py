@@ -29,6 +29,9 @@ def _show(args):
     df = layer_table(prof, u)
     print(f"{prof.name}: {prof.num_layers} layers, microbatch {u}  ({prof.meta.get('device', 'device unknown')})")
     print(df.to_string(index=False))
+    from ..measure.flags import profile_warnings
+    for line in profile_warnings(prof):
+        print(f"warning: {line}")
     if args.plot:
         out = plot_profile(prof, u, Path(args.plot))
         print(f"wrote {out}")

@@ -6,7 +6,7 @@ from pathlib import Path
 from ..core.errors import PlanError, UsageError
 from ..core.plan import Plan
 from ..core.units import fmt_bytes, parse_bytes
-from .common import MODEL_HELP, writable_file, writable_folder
+from .common import MODEL_HELP, plan_profile, writable_file, writable_folder
 from .measure import add_overrides, parse_overrides
 
 
@@ -66,6 +66,20 @@ def _model(spec: str, items: list[str], trust_remote_code: bool = False):
     return resolve_model(spec, trust_remote_code=trust_remote_code, **parse_overrides(items))
 
 
+def _warn_on_threads(plan, args) -> None:
+    """One line where the run's intra-op threads differ from those its profile was timed with (its
+    times then do not hold); nothing where the plan's profile is not at hand."""
+    from ..core.errors import HarmonyOptError
+    from ..measure.flags import thread_note
+    try:
+        meta = plan_profile(plan, Path(args.plan), None).meta
+    except HarmonyOptError:
+        return
+    note = thread_note(meta, args.device, plan.gpus)
+    if note:
+        print(f"warning: {note}")
+
+
 def _compile(args):
     from ..compile.compiler import compile_plan
     from ..compile.validate import validate_program
@@ -112,6 +126,7 @@ def _run(args):
     if args.epochs is not None and not args.data:
         raise UsageError("--epochs counts passes over --data FILE: give one, or --steps for synthetic data")
     plan = Plan.load(args.plan)
+    _warn_on_threads(plan, args)
     program = Program.load(args.program) if args.program else None
     for option, path, example in (("--trace", args.trace, "trace.json"), ("--plot", args.plot, "gantt.png")):
         if path:                # a bad output path fails now, not after the training

@@ -11,7 +11,9 @@ one layer at a time is moved to the GPU and back). Per layer and size it records
 
 * FWD ``gpu_time_s``: forward with autograd off. BWD ``gpu_time_s``: recompute the
   forward with autograd on, then the backward (Harmony's convention). CUDA events on
-  a GPU, the wall clock on the CPU; the mean of ``repeats`` runs after ``warmup``.
+  a GPU, the wall clock on the CPU; after ``warmup`` runs, the median of at least
+  ``repeats`` and at most ``max_repeats`` runs, outliers dropped
+  (:func:`~harmony_opt.measure.timing.time_runs`).
 * ``peak_memory_bytes``: on CUDA, ``torch.cuda.max_memory_allocated`` while running
   the layer alone (W, B, X, Y, gradients, workspace). On the CPU it is an analytic
   estimate, since the CPU allocator keeps no peak: FWD = params + buffers + input +
@@ -26,6 +28,17 @@ one layer at a time is moved to the GPU and back). Per layer and size it records
   momentum 1 x), and ``cpu_update_s``: one ``torch.optim`` step of the layer's
   parameters on the CPU, where Harmony runs the optimizer.
 
+Everything runs with ``threads`` intra-op threads (default: what the executor's one rank
+uses on this device, ``runtime.optim.host_threads``), recorded as ``meta["threads"]``: on
+a CPU the thread count changes a layer's time several-fold, and a busy machine makes two
+threads slower than one.
+
+Measurements that :mod:`~harmony_opt.measure.flags` finds suspicious (a larger microbatch
+faster than a smaller one, identical layers more than 2x apart) are measured once more after
+every layer has been, on an input of the same shape, and the lower median is kept (other work
+on the machine only ever adds time); what is still suspicious is recorded in
+``meta["warnings"]``, one line each.
+
 If a layer runs out of GPU memory at some size, that size and every larger one are
 dropped for all layers (a profile needs the same sizes for every layer), with a
 warning; if even the smallest size does not fit, profiling fails.
@@ -35,9 +48,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import platform
-import time
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -45,8 +57,11 @@ from torch import nn
 from tqdm import tqdm
 
 from ..core.errors import InfeasibleError, UsageError
+from ..core.hardware import usable_cores
 from ..core.profile import Profile
 from .decompose import LayeredModel
+from .flags import layer_signature, profile_flags
+from .timing import check_repeats, time_runs
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +84,19 @@ class Measurement:
     saved_output_bytes: int = 0
 
 
-def profile_model(model: LayeredModel, microbatches: list[int], device: str = "cpu", *, repeats: int = 3,
-                  warmup: int = 1, progress: bool = True, seed: int = 0) -> Profile:
-    """Profile every layer of ``model`` at every size in ``microbatches`` on ``device`` ("cpu" or "cuda")."""
+def profile_model(model: LayeredModel, microbatches: list[int], device: str = "cpu", *, repeats: int = 5,
+                  max_repeats: int | None = None, warmup: int = 1, threads: int | None = None,
+                  remeasure: bool = True, progress: bool = True, seed: int = 0) -> Profile:
+    """Profile every layer of ``model`` at every size in ``microbatches`` on ``device`` ("cpu" or "cuda").
+
+    ``repeats``/``max_repeats`` (default 4 x repeats): the fewest and most timed runs per measurement;
+    ``threads``: intra-op threads (default: the executor's); ``remeasure``: measure flagged layers again.
+    """
     dev = resolve_device(device)
     sizes = check_sizes(microbatches)
-    if repeats < 1 or warmup < 0:
-        raise UsageError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    timing = dict(repeats=repeats, max_repeats=check_repeats(repeats, max_repeats, warmup), warmup=warmup)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise UsageError(f"threads must be a whole number >= 1, got {threads!r}")
     optimizer = str(model.meta.get("optimizer", "adam")).lower()
     if optimizer not in OPTIMIZER_STATE_FACTOR:
         raise UsageError(f"model {model.name}: optimizer {optimizer!r} is not one of "
@@ -85,26 +106,50 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
     if model.num_layers < 2:
         raise UsageError(f"model {model.name} has {model.num_layers} layer(s); it needs at least a body and a loss")
 
-    from harmony_opt.runtime.optim import host_threads
+    from harmony_opt.runtime.optim import host_threads, intra_op_threads
 
-    threads = host_threads(1, dev.type, torch.get_num_threads())   # as the runtime's optimizer steps on one rank
+    threads = threads or host_threads(1, dev.type, torch.get_num_threads())   # as the executor's one rank runs
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with intra_op_threads(threads):
+        layers, micro, signatures, skipped, remeasured, target = _profile_layers(
+            model, sizes, dev, optimizer, timing, threads, remeasure, progress, seed)
+    meta = _meta(model, dev, optimizer, timing, skipped, threads, target)
+    meta.update(layer_signatures=signatures, load_average=load, cores=usable_cores(), remeasured=remeasured)
+    prof = Profile(model.name, layers, micro, meta)
+    prof.meta["warnings"] = [f.text for f in profile_flags(prof)]
+    for line in prof.meta["warnings"]:
+        log.info("profile of %s: %s", model.name, line)   # the CLI prints them; callers read meta["warnings"]
+    return prof
+
+
+def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, optimizer: str, timing: dict,
+                    threads: int, remeasure: bool, progress: bool, seed: int):
+    """The two tables, the layers' signatures, the sizes skipped, the [layer, size] measured twice and the
+    targets' bytes per sample."""
     gen = torch.Generator().manual_seed(seed)
     batches = {u: model.make_batch(u, gen) for u in sizes}
     acts = {u: x for u, (x, _) in batches.items()}
     skipped: list[str] = []
-    static_rows, rows = [], []
+    static_rows, rows, signatures = [], [], []
+    kept_inputs: dict[tuple[str, int], torch.Tensor] = {}   # the first input of each signature, per size
     R = model.num_layers
-    on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-    with on_device, tqdm(total=R, disable=not progress, unit="layer", leave=False) as bar:
+
+    def on_device():
+        return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+    with on_device(), tqdm(total=R, disable=not progress, unit="layer", leave=False) as bar:
         for l, layer in enumerate(model.layers):
             bar.set_description_str(f"profiling layer {l + 1} of {R}")
             log.debug("profiling layer %d of %d", l + 1, R)
-            static_rows.append(_static_row(l, layer, optimizer, repeats, threads))
+            static_rows.append(_static_row(l, layer, optimizer, timing, threads))
+            signatures.append(layer_signature(layer, acts[sizes[0]]))
             with _moved_to(layer, dev) as base:
                 for u in list(sizes):
                     target = batches[u][1] if l == R - 1 else None
+                    if remeasure:
+                        kept_inputs.setdefault((signatures[-1], u), acts[u])
                     try:
-                        m, out = _measure(layer, acts[u], target, dev, repeats, warmup, base)
+                        m, out = _measure(layer, acts[u], target, dev, timing, base)
                     except torch.cuda.OutOfMemoryError:
                         if u == sizes[0]:
                             raise InfeasibleError(
@@ -120,9 +165,22 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
                     rows.extend(_rows(l, u, m))
                     acts[u] = out
             bar.update(1)
-    meta = _meta(model, dev, optimizer, repeats, warmup, skipped, threads, _target_bytes(batches))
+    layers = pd.DataFrame(static_rows)
     micro = pd.DataFrame(rows).sort_values(["phase", "microbatch", "layer"], ascending=[False, True, True])
-    return Profile(model.name, pd.DataFrame(static_rows), micro.reset_index(drop=True), meta)
+    micro = micro.reset_index(drop=True)
+    again: list[list[int]] = []
+    if remeasure:
+        draft = Profile(model.name, layers, micro, {"layer_signatures": signatures})
+        suspects = sorted({s for f in profile_flags(draft) for s in f.suspects if s[1] in sizes})
+        for l, u in suspects:
+            layer, target = model.layers[l], (batches[u][1] if l == R - 1 else None)
+            with on_device(), _moved_to(layer, dev) as base:
+                m, _ = _measure(layer, kept_inputs[(signatures[l], u)], target, dev, timing, base)
+            for phase, t in (("FWD", m.fwd_time), ("BWD", m.bwd_time)):
+                at = (micro.phase == phase) & (micro.microbatch == u) & (micro.layer == l)
+                micro.loc[at, "gpu_time_s"] = micro.loc[at, "gpu_time_s"].clip(upper=t)   # the lower median
+            again.append([l, u])
+    return layers, micro, signatures, skipped, again, _target_bytes(batches)
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -157,7 +215,7 @@ def _call(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None) -> tor
     return layer(x) if target is None else layer(x, target)
 
 
-def _measure(layer, x_host, target_host, dev, repeats, warmup, base) -> tuple[Measurement, torch.Tensor | None]:
+def _measure(layer, x_host, target_host, dev, timing: dict, base) -> tuple[Measurement, torch.Tensor | None]:
     """FWD and BWD of one layer (already on ``dev``) at one size.
 
     Returns the measurement and the layer's output on the host (``None`` for the loss).
@@ -171,10 +229,10 @@ def _measure(layer, x_host, target_host, dev, repeats, warmup, base) -> tuple[Me
         with torch.no_grad():
             return _call(layer, x, target)
 
-    for _ in range(warmup):
+    for _ in range(timing["warmup"]):
         fwd()
     out, fwd_peak = _peak(fwd, dev, base)
-    fwd_time = _mean_time(fwd, dev, repeats)
+    fwd_time = time_runs(fwd, dev, **{**timing, "warmup": 0}).seconds
     out_host, out_bytes = out.to("cpu"), tensor_bytes(out)
     grad_out = None if target is not None else torch.ones_like(out)
     del out   # the backward's peak must not count the forward's output
@@ -185,11 +243,11 @@ def _measure(layer, x_host, target_host, dev, repeats, warmup, base) -> tuple[Me
         if y.requires_grad:
             y.backward(grad_out)
 
-    for _ in range(warmup):
+    for _ in range(timing["warmup"]):
         bwd()
     layer.zero_grad(set_to_none=True)   # the peak run allocates the gradients, as a first backward does
     _, bwd_peak = _peak(bwd, dev, base)
-    bwd_time = _mean_time(bwd, dev, repeats)
+    bwd_time = time_runs(bwd, dev, **{**timing, "warmup": 0}).seconds
     saved, saved_storage, saved_input, saved_output = saved_counts(layer, x, target)
     x_bytes = tensor_bytes(x)
     if dev.type == "cpu":
@@ -206,25 +264,6 @@ def _rows(layer: int, u: int, m: Measurement) -> list[dict]:
              "saved_storage_bytes": m.saved_storage_bytes, "saved_input_bytes": m.saved_input_bytes,
              "saved_output_bytes": m.saved_output_bytes}
             for phase, t, peak in (("FWD", m.fwd_time, m.fwd_peak), ("BWD", m.bwd_time, m.bwd_peak))]
-
-
-def _mean_time(fn: Callable[[], object], dev: torch.device, repeats: int) -> float:
-    """Mean seconds of ``fn``: CUDA events on a GPU (device time), the wall clock on the CPU."""
-    if dev.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        for s, e in zip(starts, ends):
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize(dev)
-        return sum(s.elapsed_time(e) for s, e in zip(starts, ends)) / repeats / 1e3
-    total = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        total += time.perf_counter() - t0
-    return total / repeats
 
 
 def _peak(fn, dev: torch.device, base: int):
@@ -335,15 +374,18 @@ def _device_of(layer: nn.Module) -> torch.device:
 
 # -- per-layer (size-independent) quantities ---------------------------------------------------
 
-def _static_row(l: int, layer: nn.Module, optimizer: str, repeats: int, threads: int | None = None) -> dict:
+def _static_row(l: int, layer: nn.Module, optimizer: str, timing: dict, threads: int | None = None) -> dict:
     trainable = [p for p in layer.parameters() if p.requires_grad]
     return {"layer": l, "param_bytes": _param_bytes(layer), "buffer_bytes": _buffer_bytes(layer),
             "optimizer_state_bytes": OPTIMIZER_STATE_FACTOR[optimizer] * sum(tensor_bytes(p) for p in trainable),
-            "cpu_update_s": cpu_update_time(trainable, optimizer, repeats, threads)}
+            "cpu_update_s": cpu_update_time(trainable, optimizer, timing["repeats"], threads,
+                                            max_repeats=timing["max_repeats"])}
 
 
-def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 3, threads: int | None = None) -> float:
-    """Mean seconds of one optimizer step over copies of ``params`` on the CPU (0 without params).
+def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 5, threads: int | None = None, *,
+                    max_repeats: int | None = None) -> float:
+    """Seconds of one optimizer step over copies of ``params`` on the CPU (0 without params): the median
+    of ``repeats`` to ``max_repeats`` steps, as :func:`~harmony_opt.measure.timing.time_runs` takes it.
 
     The first step (which allocates the optimizer state) is not timed. Adam for
     "adam", SGD with momentum 0.9 for "sgd", built as the runtime builds them
@@ -359,11 +401,7 @@ def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 3
         c.grad = torch.full_like(c, 1e-3)
     opt = (make_factory("adam", 1e-4) if optimizer == "adam" else make_factory("sgd", 1e-3, momentum=0.9))(copies)
     with intra_op_threads(threads):
-        opt.step()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            opt.step()
-        return (time.perf_counter() - t0) / repeats
+        return time_runs(opt.step, "cpu", repeats=repeats, max_repeats=max_repeats, warmup=1).seconds
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -385,7 +423,7 @@ def _cpu_model() -> str | None:
     return None
 
 
-def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, warmup: int,
+def _meta(model: LayeredModel, dev: torch.device, optimizer: str, timing: dict,
           skipped: list[str], threads: int, target_bytes: float = 0.0) -> dict:
     from harmony_opt.runtime.optim import fused_on_cpu
 
@@ -407,8 +445,11 @@ def _meta(model: LayeredModel, dev: torch.device, optimizer: str, repeats: int, 
         "peak_memory": ("analytic estimate: FWD = params + buffers + input + output; "
                         "BWD = FWD + grads + saved + input grad"
                         if cpu else "torch.cuda.max_memory_allocated, layer alone"),
-        "repeats": repeats,
-        "warmup": warmup,
+        "threads": threads,
+        "repeats": timing["repeats"],
+        "max_repeats": timing["max_repeats"],
+        "warmup": timing["warmup"],
+        "statistic": "median of the runs within 3 MADs of the median, repeated until it moves < 5%",
         "skipped": skipped,
         "tool": f"harmony-opt {__version__}",
         "format_version": 1,
