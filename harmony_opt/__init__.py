@@ -23,7 +23,8 @@ __all__ = [
 # simulating and the other torch-free commands start fast.
 _LAZY = {"compile_plan": "compile.compiler", "Program": "compile.program", "validate_program": "compile.validate",
          "TrainResult": "training", "train": "training", "decompose_hf": "measure.hf",
-         "LayeredModel": "measure.decompose"}
+         "LayeredModel": "measure.decompose", "decompose": "measure.decompose", "profile_model": "measure.profiler",
+         "plan": "solver_models.planner", "PlannerOptions": "solver_models.options", "simulate": "sim.simulator"}
 __all__ += list(_LAZY)
 
 

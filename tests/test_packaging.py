@@ -37,3 +37,15 @@ def test_a_users_own_runtime_and_solver_models_modules_change_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["harmony_opt.runtime.worker", "harmony_opt.solver_models.planner"]
+
+
+def test_the_pipeline_is_one_import_away():
+    """profile -> plan -> simulate -> compile -> train from ``import harmony_opt`` alone (each loaded on
+    first use, so that planning does not import torch)."""
+    import harmony_opt
+    for name in ("decompose", "decompose_hf", "LayeredModel", "profile_model", "plan", "PlannerOptions",
+                 "simulate", "compile_plan", "train"):
+        assert name in harmony_opt.__all__ and callable(getattr(harmony_opt, name)), name
+    code = "import sys, harmony_opt; harmony_opt.plan; harmony_opt.simulate; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
