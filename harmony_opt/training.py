@@ -112,10 +112,14 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     from harmony_opt.runtime.tied import tie_schedule
     from harmony_opt.measure.shapes import boundary_shapes, check_mean_loss, measure_layer_bytes
     from harmony_opt.runtime.worker import Job, run_job
+    from harmony_opt.runtime.launch import torchrun_env
 
     layers = list(model.layers)
     check_plan(model, plan)
-    _check_device(device, plan.gpus)
+    launched = torchrun_env()        # under torchrun: this process is one rank (docs/runtime.md "torchrun")
+    if launched:
+        launched.check(plan.gpus, device)
+    _check_device(device, plan.gpus if launched is None else 0)
     steps = _check_counts(plan, data, steps, epochs, clip_grad_norm)
     if resume and checkpoint_dir is None:
         raise UsageError("resume needs a checkpoint folder")
@@ -147,7 +151,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         restore_layers(layers, state)
     for layer in layers:
         layer.train()
-    _place_host_state(layers, device, plan.gpus)
+    _place_host_state(layers, device, plan.gpus if launched is None else 1)    # torchrun: nothing shared
     job = Job(program=program, layers=layers, start_step=start, factory=factory, shapes=shapes,
               device=device, memory_cap=cap, seed=seed,
               progress=progress, optimizer_state=state["optimizer"] if state else None,

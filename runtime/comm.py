@@ -28,11 +28,12 @@ class Comm:
 
     def __init__(self, rank: int, world: int, backend: str, program: Program, timeout_s: float = 300.0):
         self.rank, self.world, self.backend = rank, world, backend
+        self.local_rank = rank          # the GPU index: the rank, as the local launcher runs one machine
         self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.groups = {}
         if backend == "nccl":
             for ch in program_channels(program):
-                self.groups[ch] = dist.new_group(ranks=sorted(ch[:2]))
+                self.groups[ch] = dist.new_group(ranks=sorted(ch[:2]), timeout=timedelta(seconds=timeout_s))
 
     def _group(self, src: int, dst: int, cls: str):
         return self.groups.get((src, dst, cls))
@@ -56,6 +57,10 @@ class Comm:
         out = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.ctrl)
         return out
+
+    def after_step(self, everything: bool) -> None:
+        """Called by every rank after each step; the shared host memory of the local launcher already
+        holds every update (runtime.launch keeps separate copies equal here)."""
 
     def barrier(self) -> None:
         dist.barrier(group=self.ctrl)

@@ -12,6 +12,9 @@ because a pack is always updated by the same rank. Between iterations every rank
 for its own updates and then for the others (the loss all-reduce), so no iteration
 reads weights that an update of the previous one is still writing.
 
+Under torchrun nothing is spawned and nothing is shared: :mod:`.launch` runs this process's
+rank and keeps the ranks' host copies of the weights equal.
+
 If a rank fails, the launcher stops the other ranks and raises the failing rank's
 error with its own type when it is one of harmony_opt's.
 """
@@ -86,7 +89,7 @@ def updated_packs(program: Program, rank: int) -> list[tuple[int, int]]:
 def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     """The training loop of one rank over ``batches`` (an iterable of minibatches, from start_step
     on); a checkpoint every ``checkpoint_every`` steps and after the last one."""
-    device = torch.device(job.device if job.device != "cuda" else f"cuda:{rank}")
+    device = torch.device(job.device if job.device != "cuda" else f"cuda:{comm.local_rank if comm else rank}")
     optim = PackOptimizers(job.layers, updated_packs(job.program, rank), job.factory, job.scheduler,
                            tie_schedule(job.program, job.layers, rank))
     if job.optimizer_state:
@@ -109,9 +112,14 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {losses[-1]:.4f}, {x.shape[0] / ex.times[-1]:.1f} samples/s")
-            if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
+            due = bool(job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0)
+            if comm:        # under torchrun: updated weights to the ranks that read them (launch.py)
+                comm.after_step(everything=due)
+            if due:
                 _checkpoint(job, rank, comm, optim, step, losses)
                 saved = step
+        if comm:            # every rank runs as many steps: the last weights everywhere
+            comm.after_step(everything=True)
         if job.checkpoint_dir and step != saved:
             _checkpoint(job, rank, comm, optim, step, losses)
         ok = True
@@ -261,8 +269,14 @@ class _Feeder(threading.Thread):
 
 def run_job(job: Job, batches) -> list[RankResult]:
     """Run ``job`` on every rank of its Program over the minibatches ``batches`` yields (drawn as
-    the steps run); results ordered by rank."""
+    the steps run); results ordered by rank. Under torchrun this process runs its own rank only
+    (every rank draws the same minibatches itself), and a rank other than 0 gets its own result
+    alone."""
     world = job.program.gpus
+    from .launch import run_torchrun, torchrun_env
+    env = torchrun_env()
+    if env is not None and world > 1:       # started by torchrun: join its group as this process's rank
+        return run_torchrun(job, env, batches)
     if world == 1:
         with intra_op_threads(host_threads(1, job.device, torch.get_num_threads())):
             return [run_rank(0, job, None, batches)]

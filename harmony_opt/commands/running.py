@@ -142,6 +142,9 @@ def _run(args):
                 checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, memory_cap=cap,
                 progress=not args.no_progress, seed=args.seed, program=program, clip_grad_norm=args.clip_grad_norm,
                 trace=bool(args.trace or args.plot))
+    from harmony_opt.runtime.launch import torchrun_rank
+    if torchrun_rank():         # under torchrun the summary, trace and plot come from rank 0 only
+        return
     if args.save and hasattr(model.source, "save_pretrained"):
         # a Hugging Face model: the layers trained its own parameters (a tied head is the embedding's)
         print(f"wrote {save_pretrained(model.source, args.save)} (Hugging Face save_pretrained)")

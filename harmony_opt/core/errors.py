@@ -61,6 +61,11 @@ class ContractError(HarmonyOptError, AssertionError):
     so code that treats a broken promise as a failed assertion keeps working."""
 
 
+class DistributedError(HarmonyOptError):
+    """Under torchrun: the process group could not be joined, or another rank died or stopped
+    answering within the timeout (that rank's own output says why)."""
+
+
 class DataError(HarmonyOptError):
     """Training data or a checkpoint does not match the model or plan."""
 
