@@ -10,9 +10,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from harmony_opt.core.errors import DataError, UsageError
-from harmony_opt.core.plan import PackOptions, Plan
+from harmony_opt.core.plan import PackOptions
 from harmony_opt.measure.decompose import ClassificationLoss, LayeredModel, run_layers
 from harmony_opt.training import train
+
+from test_train import _batch, make_plan       # the same model data and plan shape as test_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,23 +23,11 @@ ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
 STEP_LR = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
 
 
-def _batch(batch: int, gen: torch.Generator):
-    return torch.randn(batch, 8, generator=gen), torch.randint(4, (batch,), generator=gen)
-
-
 def mlp(seed: int = 0, loss: nn.Module | None = None) -> LayeredModel:
     torch.manual_seed(seed)
     layers = [nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
               nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4), loss or ClassificationLoss()]
     return LayeredModel("mlp", layers, _batch, {"optimizer": "sgd"})
-
-
-def make_plan(**kw) -> Plan:
-    d = dict(planner="test", mode="vPP", gpus=1, batch=6, microbatch_fwd=3, microbatch_bwd=2,
-             packs_fwd=[(0, 1), (2, 2)], packs_bwd=[(0, 1), (2, 2), (3, 4)], num_layers=5,
-             options=(PackOptions(recompute=False), PackOptions(), PackOptions()))
-    d.update(kw)
-    return Plan(**d)
 
 
 def dataset(n: int, seed: int = 1) -> list:
