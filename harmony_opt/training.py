@@ -37,6 +37,7 @@ from .compile.program import Program, plan_identity
 from .compile.validate import validate_program
 from .core.errors import DataError, PlanError, ProgramError, RuntimeMemoryError, UsageError
 from .core.plan import Plan
+from .core.units import alloc_granularity
 from .measure.models import MODEL_NAMES
 from .sim.timeline import Timeline
 
@@ -81,7 +82,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
           epochs: int | None = None, scheduler: Callable | None = None, clip_grad_norm: float | None = None,
           checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = False,
           device: str = "cpu", memory_cap: int | None = None, progress: bool = True, seed: int = 0,
-          program: Program | None = None, trace: bool = False) -> TrainResult:
+          program: Program | None = None, trace: bool = False, granularity: int | None = None) -> TrainResult:
     """Train ``model`` (a LayeredModel) as ``plan`` says; steps are counted from step 0.
 
     Data: ``data`` is any iterable of ``(inputs, targets)`` minibatches of ``plan.batch`` samples
@@ -105,7 +106,8 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     the plan's) bounds live device bytes per rank. With ``checkpoint_dir``, a checkpoint is written
     atomically after the last step and every ``checkpoint_every`` steps; ``resume=True``
     continues from it. With ``trace=True`` the result holds when every instruction of the last
-    step ran (:meth:`TrainResult.timeline`).
+    step ran (:meth:`TrainResult.timeline`). ``granularity``: what the device's allocator rounds each
+    tensor up to, for the memory check and the guard (default: 512 on CUDA, exact on the CPU).
     """
     from harmony_opt.runtime.checkpoint import load_checkpoint, restore_layers
     from harmony_opt.runtime.optim import check_scheduler, make_factory, optimizer_states
@@ -124,6 +126,9 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     if resume and checkpoint_dir is None:
         raise UsageError("resume needs a checkpoint folder")
     cap = memory_cap if memory_cap is not None else plan.memory_cap
+    granularity = alloc_granularity(device) if granularity is None else granularity
+    if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity < 1:
+        raise UsageError(f"granularity must be a whole number of bytes >= 1, got {granularity!r}")
     factory = make_factory(optimizer or model.meta.get("optimizer", "adam"), lr)
     check_scheduler(scheduler, factory)
     ident = plan_identity(plan) if program is None else program.plan_identity
@@ -142,7 +147,8 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         shapes = boundary_shapes(layers, *first)
         check_mean_loss(layers, *first)
         # the whole program against the model's real sizes, before any weight changes
-        sizes = measure_layer_bytes(layers, *first, optimizer_states=optimizer_states(factory))
+        sizes = measure_layer_bytes(layers, *first, optimizer_states=optimizer_states(factory),
+                                    granularity=granularity)
     else:
         shapes, sizes = [], None
     program = _program(plan, layers, program, sizes, cap)
@@ -153,7 +159,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         layer.train()
     _place_host_state(layers, device, plan.gpus if launched is None else 1)    # torchrun: nothing shared
     job = Job(program=program, layers=layers, start_step=start, factory=factory, shapes=shapes,
-              device=device, memory_cap=cap, seed=seed,
+              device=device, memory_cap=cap, granularity=granularity, seed=seed,
               progress=progress, optimizer_state=state["optimizer"] if state else None,
               scheduler_state=state.get("schedulers") if state else None,
               checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,

@@ -41,6 +41,7 @@ from torch.func import functional_call
 
 from harmony_opt.core.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
 from harmony_opt.core.kinds import Tensor
+from harmony_opt.core.units import alloc_bytes, alloc_granularity
 from harmony_opt.compile.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects
 from harmony_opt.compile.validate import format_schedule
 from harmony_opt.sim.timeline import memory_steps
@@ -50,14 +51,15 @@ from .graph import CountSaved, Offload, PackGraph
 from .optim import PackOptimizers
 
 
-def nbytes(value) -> int:
-    """Device bytes of a table entry: a tensor, a dict of them, or a pack graph."""
+def nbytes(value, granularity: int = 1) -> int:
+    """Device bytes of a table entry: a tensor, a dict of them, or a pack graph; with ``granularity``
+    each tensor rounded up to a multiple of it, as the device's caching allocator holds it."""
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return alloc_bytes(value.numel() * value.element_size(), granularity)
     if isinstance(value, dict):
-        return sum(nbytes(v) for v in value.values())
+        return sum(nbytes(v, granularity) for v in value.values())
     if isinstance(value, PackGraph):
-        return value.device_bytes
+        return value.alloc_bytes(granularity)
     return 0
 
 
@@ -72,10 +74,11 @@ def _tensors(value):
 
 
 class DeviceTable:
-    """Live device tensors by key, with the memory guard."""
+    """Live device tensors by key, with the memory guard; each tensor counts its bytes rounded up to
+    the allocator's ``granularity`` (512 on CUDA, :func:`~harmony_opt.core.units.alloc_granularity`)."""
 
-    def __init__(self, rank: int, cap: int | None):
-        self.rank, self.cap = rank, cap
+    def __init__(self, rank: int, cap: int | None, granularity: int = 1):
+        self.rank, self.cap, self.granularity = rank, cap, granularity
         self.values: dict[tuple, object] = {}
         self.sizes: dict[tuple, int] = {}
         self.live = 0
@@ -88,6 +91,10 @@ class DeviceTable:
             raise ProgramError(f"rank {self.rank}: instruction {ins} reads device tensor {key} which is not on the "
                                f"device (used before it arrived, or after it was freed)") from None
 
+    def size(self, value) -> int:
+        """Bytes ``value`` holds on the device (:func:`nbytes` at the table's granularity)."""
+        return nbytes(value, self.granularity)
+
     def reserve(self, extra: int, ins: Instr) -> None:
         """Fail before allocating when ``extra`` more bytes would exceed the cap."""
         if self.cap is not None and self.live + extra > self.cap:
@@ -98,7 +105,7 @@ class DeviceTable:
     def put(self, key: tuple, value, ins: Instr) -> None:
         if key in self.values:
             raise ProgramError(f"rank {self.rank}: instruction {ins} allocates {key}, which is already on the device")
-        size = nbytes(value)
+        size = self.size(value)
         self.values[key], self.sizes[key] = value, size
         self.live += size
         self.peak = max(self.peak, self.live)
@@ -108,7 +115,7 @@ class DeviceTable:
 
     def resize(self, key: tuple) -> None:
         """Re-measure an entry that grew or shrank in place."""
-        size = nbytes(self.values[key])
+        size = self.size(self.values[key])
         self.live += size - self.sizes[key]
         self.sizes[key] = size
         self.peak = max(self.peak, self.live)
@@ -230,7 +237,7 @@ class Executor:
     def __init__(self, program: Program, rank: int, layers: list[nn.Module], optimizers: PackOptimizers,
                  shapes: list[tuple[tuple[int, ...], torch.dtype]], *, device: str | torch.device = "cpu",
                  comm=None, memory_cap: int | None = None, seed: int = 0, trace: bool = False,
-                 defer_updates: bool = False):
+                 defer_updates: bool = False, granularity: int | None = None):
         self.program, self.rank, self.layers = program, rank, layers
         # with defer_updates, a CPU update only records its pack here; the caller steps them after the
         # iteration (gradient clipping needs every gradient before the first step)
@@ -239,7 +246,9 @@ class Executor:
         self.R = program.num_layers
         self.device = torch.device(device)
         self.optim, self.shapes, self.comm, self.seed = optimizers, shapes, comm, seed
-        self.table = DeviceTable(rank, memory_cap)
+        # the guard's rounding: the device's allocator's unless given (a test prices CUDA on the CPU)
+        self.table = DeviceTable(rank, memory_cap,
+                                 alloc_granularity(self.device.type) if granularity is None else granularity)
         self.tracer = Tracer(rank, self.device.type == "cuda") if trace else None
         self.streams = Streams(self.device, self.tracer)
         self.trace: dict = {}                 # with trace=True: the last iteration's events and memory steps
@@ -429,7 +438,7 @@ class Executor:
             out = {}
             for layer in ins.layer_range:
                 src = (self.weights if t is Tensor.W else self.buffers)[layer]
-                self.table.reserve(nbytes(src), ins)
+                self.table.reserve(self.table.size(src), ins)
                 dev = {n: self._to_device(h) for n, h in src.items()}
                 if t is Tensor.W:
                     for n, d in dev.items():
@@ -447,13 +456,13 @@ class Executor:
                 raise ProgramError(f"rank {self.rank}: instruction {ins}: no graph was kept for layers "
                                    f"{list(ins.layers)}, samples {ins.offset}+{ins.size} (its forward with tensor sA "
                                    f"did not run)")
-            self.table.reserve(sum(nbytes(s.host) for s in graph.saved), ins)
+            self.table.reserve(sum(self.table.size(s.host) for s in graph.saved), ins)
             graph.to_device(self.device)
             self.moved["h2d"] += sum(nbytes(s.host) for s in graph.saved)
             return {key: graph}
         (buf, _), = e.host_reads
         src = self.host.get(buf)[ins.offset:ins.offset + ins.size]
-        self.table.reserve(nbytes(src), ins)
+        self.table.reserve(self.table.size(src), ins)
         return {e.allocs[0]: self._to_device(src)}
 
     def _swap_out(self, ins: Instr, e: Effects) -> None:
@@ -491,7 +500,7 @@ class Executor:
         consumers wait for it through ``waits_on``."""
         tail, dtype = self.shapes[ins.layers[0]]
         buf = torch.empty((ins.size,) + tuple(tail), dtype=dtype, device=self.device)
-        self.table.reserve(nbytes(buf), ins)
+        self.table.reserve(self.table.size(buf), ins)
         self._pending[ins.id] = self.comm.irecv(buf, ins.peer, ins.tag, CHANNELS[ins.tensor])
         return {e.allocs[0]: buf}
 
@@ -540,7 +549,7 @@ class Executor:
         leaf = self._input_leaf(x, a, copy=False)
         # what the table holds already (weights, frozen or not, buffers, the input) is not counted again
         held = [t for l in range(a, b + 1) for k in ("W", "B") for t in self.table.get((k, l), ins).values()]
-        count = CountSaved({t.untyped_storage().data_ptr() for t in held + [x]})
+        count = CountSaved({t.untyped_storage().data_ptr() for t in held + [x]}, self.table.granularity)
         with torch.enable_grad(), saved_tensors_hooks(count.pack, count.unpack):
             y = self._chain(a, b, leaf, ins)
             if b == self.R - 1:

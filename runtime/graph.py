@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from harmony_opt.core.units import alloc_bytes
+
 from .buffers import host_copy
 
 
@@ -65,9 +67,15 @@ class PackGraph:
 
     @property
     def device_bytes(self) -> int:
+        return self.alloc_bytes()
+
+    def alloc_bytes(self, granularity: int = 1) -> int:
+        """Device bytes the graph holds, each saved tensor rounded up to ``granularity`` (a recompute's
+        graph was counted with its :class:`CountSaved`'s granularity)."""
         if self.saved is None:
             return self.saved_bytes
-        return sum(s.device.numel() * s.device.element_size() for s in self.saved if s.device is not None)
+        return sum(alloc_bytes(s.device.numel() * s.device.element_size(), granularity)
+                   for s in self.saved if s.device is not None)
 
     def to_device(self, device: torch.device) -> None:
         """Copy the saved activations back, on the current stream, after their copies out."""
@@ -152,17 +160,19 @@ class Offload:
 
 
 class CountSaved:
-    """``saved_tensors_hooks`` pair that only counts the bytes a recompute keeps on the device."""
+    """``saved_tensors_hooks`` pair that only counts the bytes a recompute keeps on the device, each
+    storage rounded up to the allocator's ``granularity``."""
 
-    def __init__(self, exclude: set[int]):
+    def __init__(self, exclude: set[int], granularity: int = 1):
         self.exclude = set(exclude)     # storages not to count: weights and the input
+        self.granularity = granularity
         self.bytes = 0
 
     def pack(self, t: torch.Tensor):
         st = t.untyped_storage()
         if st.data_ptr() not in self.exclude:
             self.exclude.add(st.data_ptr())
-            self.bytes += st.nbytes()
+            self.bytes += alloc_bytes(st.nbytes(), self.granularity)
         return t
 
     @staticmethod

@@ -54,6 +54,7 @@ class Job:
     shapes: list
     device: str = "cpu"
     memory_cap: int | None = None
+    granularity: int | None = None                      # the guard's rounding (default: the device's allocator's)
     seed: int = 0
     progress: bool = True
     optimizer_state: dict | None = None                 # pack name -> optimizer state_dict
@@ -95,7 +96,7 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     if job.optimizer_state:
         optim.load_state_dicts(job.optimizer_state, job.scheduler_state)
     ex = Executor(job.program, rank, job.layers, optim, job.shapes, device=device, comm=comm,
-                  memory_cap=job.memory_cap, seed=job.seed, trace=job.trace,
+                  memory_cap=job.memory_cap, granularity=job.granularity, seed=job.seed, trace=job.trace,
                   defer_updates=job.clip_grad_norm is not None)
     losses = list(job.losses_before)
     bar = _progress(job, rank, job.total)

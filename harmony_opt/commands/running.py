@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..core.errors import PlanError, UsageError
 from ..core.plan import Plan
-from ..core.units import fmt_bytes, parse_bytes
+from ..core.units import alloc_granularity, fmt_bytes, parse_bytes
 from .common import MODEL_HELP, plan_profile, writable_file, writable_folder
 from .measure import add_overrides, parse_overrides
 
@@ -19,6 +19,9 @@ def register(sub):
                         "is checked: " + MODEL_HELP)
     add_overrides(c, " (with --model; the same as the profile the plan was made from took)")
     c.add_argument("--memory-cap", default=None, help="bytes per GPU to check against (default: the plan's)")
+    c.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the program will run (with --model): on cuda every tensor is counted as the caching "
+                        "allocator holds it, rounded up to 512 bytes")
     c.set_defaults(func=_compile)
 
     r = sub.add_parser("run", help="train a model with the plan's schedule (real tensors, CPU or GPUs)")
@@ -102,7 +105,8 @@ def _compile(args):
             raise PlanError(f"{args.plan}: {e}") from None
         x, y = model.make_batch(1, torch.Generator().manual_seed(0))
         states = 2 if model.meta.get("optimizer", "adam") in ("adam", "adamw") else 1
-        sizes = measure_layer_bytes(model.layers, x, y, optimizer_states=states)
+        sizes = measure_layer_bytes(model.layers, x, y, optimizer_states=states,
+                                    granularity=alloc_granularity(args.device))
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else plan.memory_cap
     program = compile_plan(plan, layer_bytes=sizes, memory_cap=cap)
     stats = validate_program(program, cap_bytes=cap if sizes else None)

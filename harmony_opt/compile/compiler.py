@@ -610,14 +610,15 @@ def _overlap(rows: Rows | None, lo: int | None, n: int | None) -> bool:
 
 
 def add_bytes(ins: tuple[Instr, ...], sizes: LayerBytes, num_layers: int) -> tuple[Instr, ...]:
-    """Bytes each instruction moves (transfers), allocates (compute) or releases (free)."""
+    """Bytes each instruction moves (transfers), allocates (compute) or releases (free), exact
+    (the allocator's rounding is the memory replay's: ``LayerBytes.alloc_bytes``)."""
     out = []
     for x in ins:
         e = effects(x, num_layers)
         keys = {O: e.reads, S: e.reads, A: e.updates, D: e.frees}.get(x.kind, e.allocs)
         if x.kind is U:
             keys = tuple(("W", l) for l in x.layer_range)
-        out.append(x.replace(bytes=sum(sizes.alloc_bytes(x, k) for k in keys)))
+        out.append(x.replace(bytes=sum(sizes.tensor_bytes(x, k) for k in keys)))
     return tuple(out)
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from ..core.errors import ProgramError
 from ..core.io import atomic_write_text, read_json
 from ..core.kinds import Tensor
+from ..core.units import alloc_bytes
 
 PROGRAM_VERSION = 1
 
@@ -206,6 +207,14 @@ class LayerBytes:
     ``saved_output[l]`` how many of those are the layer's own input and output (empty: not
     known; a recompute is then priced as saved);
     ``target``: bytes per sample of the targets.
+
+    ``granularity``: what the device's allocator rounds each tensor up to (512 on CUDA,
+    :func:`~harmony_opt.core.units.alloc_granularity`); above 1, :meth:`alloc_bytes` adds the
+    rounding: ``weights_pad``, ``buffers_pad`` and ``optimizer_pad`` per layer (what rounding
+    adds to its weights, buffers, optimizer state: exact when measured on the model, an upper
+    bound from a profile's tensor counts), an activation or target rounded as the one tensor it
+    is, and ``granularity - 1`` for each of the ``saved_tensors[l]`` tensors a saved graph holds
+    per layer (an upper bound: their sizes scale with the microbatch).
     """
 
     weights: tuple[int, ...]
@@ -217,9 +226,19 @@ class LayerBytes:
     saved_storage: tuple[float, ...] = ()
     saved_input: tuple[float, ...] = ()
     saved_output: tuple[float, ...] = ()
+    granularity: int = 1
+    weights_pad: tuple[int, ...] = ()
+    buffers_pad: tuple[int, ...] = ()
+    optimizer_pad: tuple[int, ...] = ()
+    saved_tensors: tuple[int, ...] = ()
 
     def __post_init__(self):
         n = len(self.weights)
+        if isinstance(self.granularity, bool) or not isinstance(self.granularity, int) or self.granularity < 1:
+            raise ProgramError(f"layer bytes: granularity must be a whole number >= 1, got {self.granularity!r}")
+        if any(len(getattr(self, f)) not in (0, n) for f in ("weights_pad", "buffers_pad", "optimizer_pad",
+                                                                  "saved_tensors")):
+            raise ProgramError("layer bytes: every per-layer list must have one entry per layer")
         if any(len(getattr(self, f)) != n for f in ("buffers", "optimizer", "input", "saved")) or \
                 len(self.saved_input) not in (0, n) or len({len(self.saved_storage), len(self.saved_input), len(self.saved_output)}) > 1:
             raise ProgramError("layer bytes: every per-layer list must have one entry per layer")
@@ -229,12 +248,15 @@ class LayerBytes:
         return len(self.weights)
 
     @classmethod
-    def from_profile(cls, profile, u: int) -> "LayerBytes":
-        """Sizes from a Profile at microbatch ``u`` (per-sample activations scale linearly)."""
+    def from_profile(cls, profile, u: int, granularity: int | None = None) -> "LayerBytes":
+        """Sizes from a Profile at microbatch ``u`` (per-sample activations scale linearly), rounded
+        to ``granularity`` (default: the profile's ``alloc_granularity``) from its tensor counts."""
         lay = profile.layers.sort_values("layer")
         bwd = profile.costs("BWD", u)
         rec = profile.recompute_saved_at(u)
-        return cls(weights=tuple(int(x) for x in lay["param_bytes"]),
+        g = profile.alloc_granularity if granularity is None else granularity
+        return cls(**profile.alloc_pads(g),
+                   weights=tuple(int(x) for x in lay["param_bytes"]),
                    buffers=tuple(int(x) for x in lay["buffer_bytes"]),
                    optimizer=tuple(int(x) for x in lay["optimizer_state_bytes"]),
                    input=tuple(float(x) / u for x in profile.input_bytes_at(u)),
@@ -260,14 +282,36 @@ class LayerBytes:
             return int(sum(self.saved[key[1]:key[2] + 1]) * key[4])
         raise ProgramError(f"unknown device tensor {key!r}")
 
-    def alloc_bytes(self, ins: "Instr", key: tuple) -> int:
-        """Bytes ``ins`` allocates for ``key``. A recompute's graph keeps each storage once and holds
-        the pack's input by reference, not again (the input is live on its own, as X or sX)."""
+    def tensor_bytes(self, ins: "Instr", key: tuple) -> int:
+        """Exact bytes of the tensors ``ins`` allocates for ``key`` (what a transfer of them moves). A
+        recompute's graph keeps each storage once and holds the pack's input by reference, not
+        again (the input is live on its own, as X or sX)."""
         if ins.kind is Kind.REC and key[0] == "G" and self.saved_input:
             a, b = key[1], key[2]
             shared = sum(min(self.saved_output[l - 1], self.saved_input[l]) for l in range(a + 1, b + 1))
             return int((sum(self.saved_storage[a:b + 1]) - self.saved_input[a] - shared) * key[4])
         return self.key_bytes(key)
+
+    def alloc_bytes(self, ins: "Instr", key: tuple) -> int:
+        """Bytes ``ins`` holds on the device for ``key``: :meth:`tensor_bytes` with each tensor
+        rounded up to the allocator's ``granularity`` (see the class docstring)."""
+        n = self.tensor_bytes(ins, key)
+        g, kind = self.granularity, key[0]
+        if g <= 1:
+            return n
+        if kind in ("X", "sX", "dX", "T"):
+            return alloc_bytes(n, g)
+        pad = {"W": self.weights_pad, "dW": self.weights_pad, "B": self.buffers_pad, "K": self.optimizer_pad}.get(kind)
+        if pad is not None:
+            return n + (pad[key[1]] if pad else 0)
+        if kind == "G" and self.saved_tensors:
+            a, b = key[1], key[2]
+            count = sum(self.saved_tensors[a:b + 1])
+            if ins.kind is Kind.REC and self.saved_input:     # the storages tensor_bytes leaves out
+                count -= (self.saved_input[a] > 0) + sum(min(self.saved_output[l - 1], self.saved_input[l]) > 0
+                                                         for l in range(a + 1, b + 1))
+            return n + (g - 1) * max(int(count), 0)
+        return n
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -3,7 +3,9 @@
 A Profile is two tables (DESIGN.md):
 
 * ``layers``: one row per layer: ``layer, param_bytes, buffer_bytes,
-  optimizer_state_bytes, cpu_update_s``.
+  optimizer_state_bytes, cpu_update_s``, and optionally ``param_tensors``,
+  ``buffer_tensors`` and ``optimizer_state_tensors`` (how many tensors those bytes are in,
+  which the CUDA caching allocator rounds one by one; see :attr:`Profile.alloc_granularity`).
 * ``microbatch``: one row per (phase, microbatch size, layer): ``phase`` (FWD or
   BWD; BWD includes the recompute of the forward), ``microbatch``, ``layer``,
   ``gpu_time_s``, ``peak_memory_bytes``, ``input_bytes``, and optionally
@@ -12,7 +14,7 @@ A Profile is two tables (DESIGN.md):
   storage once, as a recompute's graph holds them), ``saved_input_bytes`` and
   ``saved_output_bytes`` (how many of those are the layer's own input, which a
   recompute shares with the input the runtime holds anyway, and its output, which
-  the next layer of a pack may save again).
+  the next layer of a pack may save again), ``saved_tensors`` (how many tensors those are).
 
 plus ``meta.json``. Every quantity of a contiguous pack ``[a, b]`` (inclusive) at a
 microbatch size ``u`` is answered in O(1) from prefix sums computed once per
@@ -34,8 +36,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .errors import ProfileError
+from .errors import ProfileError, UsageError
 from .io import atomic_write_bytes, atomic_write_text, read_json
+from .units import alloc_granularity
 
 PHASES = ("FWD", "BWD")
 
@@ -54,8 +57,9 @@ MICROBATCH_COLUMNS = {
     "peak_memory_bytes": "int",
     "input_bytes": "int",
 }
+OPTIONAL_LAYER_COLUMNS = {"param_tensors": "int", "buffer_tensors": "int", "optimizer_state_tensors": "int"}
 OPTIONAL_MICROBATCH_COLUMNS = {"saved_bytes": "int", "saved_storage_bytes": "int", "saved_input_bytes": "int",
-                               "saved_output_bytes": "int"}
+                               "saved_output_bytes": "int", "saved_tensors": "int"}
 _RECOMPUTE_COLUMNS = ("saved_storage_bytes", "saved_input_bytes", "saved_output_bytes")
 
 #: Anything above this is not a per-layer quantity of a real model (1 PB); it flags unit mistakes.
@@ -224,7 +228,90 @@ class Profile:
             saved_b = _estimate_saved(self, phase, u, memory, inputs)
         else:
             saved_b = np.trunc(saved).astype(np.int64)
-        return PhaseCosts.build(phase, u, time, memory, inputs, saved_b)
+        return PhaseCosts.build(phase, u, time, memory + self._peak_pad(phase), inputs, saved_b)
+
+    # -- the allocator's rounding ------------------------------------------------------------
+    @property
+    def has_tensor_counts(self) -> bool:
+        """Whether the layers table says how many tensors each layer's bytes are in."""
+        return set(OPTIONAL_LAYER_COLUMNS) <= set(self.layers)
+
+    @property
+    def alloc_granularity(self) -> int:
+        """Bytes the target device's allocator rounds each tensor up to, for the plans of this profile:
+        ``meta["alloc_granularity"]`` where set (512 plans a CPU-made profile for a GPU:
+        :meth:`with_alloc_granularity`), else that of the device it was measured on (512 for CUDA,
+        1 for the CPU), and 1 (the bytes as they are) for a profile without tensor counts, such as
+        Harmony's."""
+        g = self.meta.get("alloc_granularity")
+        if g is not None:
+            if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+                raise ProfileError(f"{self.source}: meta alloc_granularity must be a whole number of bytes >= 1, "
+                                   f"got {g!r}")
+            return g
+        if not self.has_tensor_counts:
+            return 1
+        try:
+            return alloc_granularity(self.meta.get("device_type", "cpu"))
+        except UsageError:
+            raise ProfileError(f"{self.source}: meta device_type {self.meta.get('device_type')!r} is not cpu or "
+                               f"cuda; set alloc_granularity in meta.json") from None
+
+    def with_alloc_granularity(self, granularity: int) -> "Profile":
+        """This profile, planned for a device whose allocator rounds each tensor up to ``granularity``."""
+        return dataclasses.replace(self, meta={**self.meta, "alloc_granularity": int(granularity)})
+
+    def tensor_counts(self) -> dict[str, np.ndarray]:
+        """Per layer, how many tensors its weights, buffers, optimizer state and (the most over the
+        profiled backward sizes) saved activations are in; empty without the counts."""
+        return self._tensor_counts
+
+    @functools.cached_property
+    def _tensor_counts(self) -> dict[str, np.ndarray]:
+        if not self.has_tensor_counts:
+            return {}
+        lay = self.layers.sort_values("layer")
+        out = {c: lay[c].to_numpy(np.int64) for c in OPTIONAL_LAYER_COLUMNS}
+        bwd = self.microbatch[self.microbatch["phase"] == "BWD"]
+        if "saved_tensors" in bwd:
+            out["saved_tensors"] = (bwd.groupby("layer")["saved_tensors"].max()
+                                    .reindex(range(self.num_layers), fill_value=0).to_numpy(np.int64))
+        return out
+
+    def alloc_pads(self, granularity: int | None = None) -> dict:
+        """The rounding fields of :class:`~harmony_opt.compile.program.LayerBytes` at ``granularity``
+        (default: :attr:`alloc_granularity`): ``granularity - 1`` bytes per tensor, an upper bound."""
+        g = self.alloc_granularity if granularity is None else int(granularity)
+        counts = self.tensor_counts()
+        if g <= 1 or not counts:
+            return {"granularity": max(g, 1)}
+        pads = {f: tuple(int(n) * (g - 1) for n in counts[c]) for f, c in
+                (("weights_pad", "param_tensors"), ("buffers_pad", "buffer_tensors"),
+                 ("optimizer_pad", "optimizer_state_tensors"))}
+        saved = tuple(int(n) for n in counts["saved_tensors"]) if "saved_tensors" in counts else ()
+        return {"granularity": g, **pads, "saved_tensors": saved}
+
+    def pad_bytes(self, what: str, a: int, b: int) -> int:
+        """What rounding adds to the ``what`` tensors ("optimizer" state, "saved" activations of one
+        microbatch) of layers [a, b]: ``(alloc_granularity - 1)`` per tensor; 0 without counts."""
+        g = self.alloc_granularity
+        col = {"optimizer": "optimizer_state_tensors", "saved": "saved_tensors"}[what]
+        counts = self.tensor_counts().get(col) if g > 1 else None
+        return 0 if counts is None else int(counts[a:b + 1].sum()) * (g - 1)
+
+    def _peak_pad(self, phase: str) -> np.ndarray | int:
+        """Rounding added to each layer's peak where the peak is not the CUDA allocator's own
+        (``torch.cuda.max_memory_allocated`` counts rounded blocks already) but a CPU profile's exact
+        estimate planned for a rounding device: ``granularity - 1`` for each of its tensors (weights,
+        buffers, input, output; in the backward also dW, the saved activations and dX)."""
+        g = self.alloc_granularity
+        if g <= 1 or self.meta.get("device_type") == "cuda" or not self.has_tensor_counts:
+            return 0
+        c = self.tensor_counts()
+        n = c["param_tensors"] + c["buffer_tensors"] + 2
+        if phase == "BWD":
+            n = n + c["param_tensors"] + c.get("saved_tensors", 0) + 1
+        return n * (g - 1)
 
     def recompute_saved_at(self, u: int) -> tuple[np.ndarray, ...] | None:
         """Per layer at microbatch ``u``: the saved activations' storages and how many of those bytes
@@ -294,7 +381,7 @@ class Profile:
         if not path.is_dir():
             raise ProfileError(f"profile folder {path} does not exist; give a bundled name "
                                f"(see `harmony-opt profiles`) or a folder with layers.csv and microbatch.csv")
-        layers = _read_table(path, "layers", LAYER_COLUMNS)
+        layers = _read_table(path, "layers", LAYER_COLUMNS, OPTIONAL_LAYER_COLUMNS)
         micro = _read_table(path, "microbatch", MICROBATCH_COLUMNS, OPTIONAL_MICROBATCH_COLUMNS)
         meta_path = path / "meta.json"
         meta = {}

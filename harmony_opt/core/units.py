@@ -37,3 +37,24 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+#: Bytes PyTorch's CUDA caching allocator rounds every block up to (``kMinBlockSize`` in
+#: c10/cuda/CUDACachingAllocator.cpp, ``round_size``); the CPU allocator is counted exactly.
+CUDA_ALLOC_GRANULARITY = 512
+_GRANULARITY = {"cuda": CUDA_ALLOC_GRANULARITY, "cpu": 1}
+
+
+def alloc_granularity(device_type: str) -> int:
+    """Bytes the device's allocator rounds each tensor up to: 512 on CUDA, 1 (exact) on the CPU."""
+    try:
+        return _GRANULARITY[str(device_type).split(":")[0]]
+    except KeyError:
+        raise UsageError(f"unknown device {device_type!r}; use cpu or cuda") from None
+
+
+def alloc_bytes(nbytes: int, granularity: int = 1) -> int:
+    """``nbytes`` rounded up to a multiple of ``granularity``: what one tensor holds on a device whose
+    allocator rounds that way (an empty tensor holds nothing)."""
+    n = int(nbytes)
+    return n if granularity <= 1 or n <= 0 else -(-n // granularity) * granularity

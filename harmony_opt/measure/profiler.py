@@ -15,7 +15,8 @@ one layer at a time is moved to the GPU and back). Per layer and size it records
   ``repeats`` and at most ``max_repeats`` runs, outliers dropped
   (:func:`~harmony_opt.measure.timing.time_runs`).
 * ``peak_memory_bytes``: on CUDA, ``torch.cuda.max_memory_allocated`` while running
-  the layer alone (W, B, X, Y, gradients, workspace). On the CPU it is an analytic
+  the layer alone (W, B, X, Y, gradients, workspace), which counts every block as the
+  caching allocator rounds it (to 512 bytes). On the CPU it is an analytic
   estimate, since the CPU allocator keeps no peak: FWD = params + buffers + input +
   output; BWD = that + gradients (= params) + saved activations + the input's gradient
   (what the runtime holds while a backward runs: its input, the output's gradient, the
@@ -23,10 +24,13 @@ one layer at a time is moved to the GPU and back). Per layer and size it records
 * ``input_bytes``: bytes of the layer's input tensor; ``saved_bytes``: bytes of the
   tensors autograd saves for the layer's backward (found with
   ``torch.autograd.graph.saved_tensors_hooks``, each storage counted once, parameters
-  and buffers excluded), the cost of stashing instead of recomputing.
+  and buffers excluded), the cost of stashing instead of recomputing; ``saved_tensors``:
+  how many tensors those are.
 * per layer: parameter and buffer bytes, optimizer state (Adam 2 x params, SGD with
-  momentum 1 x), and ``cpu_update_s``: one ``torch.optim`` step of the layer's
-  parameters on the CPU, where Harmony runs the optimizer.
+  momentum 1 x), exact; how many tensors each is in (``param_tensors``,
+  ``buffer_tensors``, ``optimizer_state_tensors``), from which a plan for a GPU charges
+  the allocator's rounding (``Profile.alloc_granularity``); and ``cpu_update_s``: one
+  ``torch.optim`` step of the layer's parameters on the CPU, where Harmony runs the optimizer.
 
 Everything runs with ``threads`` intra-op threads (default: what the executor's one rank
 uses on this device, ``runtime.optim.host_threads``), recorded as ``meta["threads"]``: on
@@ -82,6 +86,7 @@ class Measurement:
     saved_storage_bytes: int = 0
     saved_input_bytes: int = 0
     saved_output_bytes: int = 0
+    saved_tensors: int = 0
 
 
 def profile_model(model: LayeredModel, microbatches: list[int], device: str = "cpu", *, repeats: int = 5,
@@ -248,13 +253,14 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base) -> tuple[Measu
     layer.zero_grad(set_to_none=True)   # the peak run allocates the gradients, as a first backward does
     _, bwd_peak = _peak(bwd, dev, base)
     bwd_time = time_runs(bwd, dev, **{**timing, "warmup": 0}).seconds
-    saved, saved_storage, saved_input, saved_output = saved_counts(layer, x, target)
+    saved, saved_storage, saved_input, saved_output, saved_tensors = saved_counts(layer, x, target, tensors=True)
     x_bytes = tensor_bytes(x)
     if dev.type == "cpu":
         w, b = _param_bytes(layer), _buffer_bytes(layer)
         fwd_peak = w + b + x_bytes + out_bytes
         bwd_peak = fwd_peak + w + saved + (x_bytes if x.is_floating_point() else 0)   # + dX
-    m = Measurement(fwd_time, bwd_time, fwd_peak, bwd_peak, x_bytes, saved, saved_storage, saved_input, saved_output)
+    m = Measurement(fwd_time, bwd_time, fwd_peak, bwd_peak, x_bytes, saved, saved_storage, saved_input, saved_output,
+                    saved_tensors)
     return m, (None if target is not None else out_host)
 
 
@@ -262,7 +268,7 @@ def _rows(layer: int, u: int, m: Measurement) -> list[dict]:
     return [{"phase": phase, "microbatch": u, "layer": layer, "gpu_time_s": t, "peak_memory_bytes": int(peak),
              "input_bytes": m.input_bytes, "saved_bytes": m.saved_bytes,
              "saved_storage_bytes": m.saved_storage_bytes, "saved_input_bytes": m.saved_input_bytes,
-             "saved_output_bytes": m.saved_output_bytes}
+             "saved_output_bytes": m.saved_output_bytes, "saved_tensors": m.saved_tensors}
             for phase, t, peak in (("FWD", m.fwd_time, m.fwd_peak), ("BWD", m.bwd_time, m.bwd_peak))]
 
 
@@ -307,8 +313,8 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None =
     return saved_counts(layer, x, target)[0]
 
 
-def saved_counts(layer: nn.Module, x: torch.Tensor,
-                 target: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None = None,
+                 tensors: bool = False) -> tuple[int, ...]:
     """Bytes of the activations autograd saves for ``layer``'s backward on input ``x``, counted three
     ways, for the three ways the runtime holds them: the larger of the next two (what a plan is
     priced with by default); each storage once (a recompute keeps the graph's tensors, views share
@@ -317,11 +323,13 @@ def saved_counts(layer: nn.Module, x: torch.Tensor,
     shares them with the input the runtime holds anyway) and the output's (which the next layer
     of a pack may save as its input: one storage, counted by both layers). The layer's own
     parameters (and, but for a stash's copies, buffers) are excluded: they are resident anyway.
+    With ``tensors``, a fifth count: how many tensors those bytes are in (the more of the storages
+    and the copies), each of which a rounding allocator holds separately.
     """
     params = {t.untyped_storage().data_ptr() for t in layer.parameters()}
     resident = params | {t.untyped_storage().data_ptr() for t in layer.buffers()}
     seen: dict[int, torch.Tensor] = {}
-    copies = [0]
+    copies = [0, 0]     # bytes, tensors
 
     def pack(t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -331,6 +339,7 @@ def saved_counts(layer: nn.Module, x: torch.Tensor,
             seen[storage.data_ptr()] = t
         if storage.data_ptr() not in params:     # a stash copies saved buffers too, only weights stay put
             copies[0] += tensor_bytes(t)
+            copies[1] += 1
         # the graph keeps nothing: it never runs backward. Handing ``t`` itself back would leak the
         # whole graph: a saved output references its own grad_fn, a cycle autograd frees only in a
         # backward (on a GPU, VGG-416's profile ran out of 80 GB by layer 25 that way).
@@ -345,8 +354,9 @@ def saved_counts(layer: nn.Module, x: torch.Tensor,
     of_input = own.nbytes() if own.data_ptr() in seen else 0
     of_output = out.nbytes() if out.data_ptr() in seen and out.data_ptr() != own.data_ptr() else 0
     del y
+    count = max(len(seen), copies[1])
     seen.clear()    # the graph may hold the hooks, and they ``seen``: drop the tensors, or the cycle keeps them
-    return max(storages, copies[0]), storages, of_input, of_output
+    return (max(storages, copies[0]), storages, of_input, of_output) + ((count,) if tensors else ())
 
 
 def _target_bytes(batches: dict) -> float:
@@ -379,7 +389,10 @@ def _static_row(l: int, layer: nn.Module, optimizer: str, timing: dict, threads:
     return {"layer": l, "param_bytes": _param_bytes(layer), "buffer_bytes": _buffer_bytes(layer),
             "optimizer_state_bytes": OPTIMIZER_STATE_FACTOR[optimizer] * sum(tensor_bytes(p) for p in trainable),
             "cpu_update_s": cpu_update_time(trainable, optimizer, timing["repeats"], threads,
-                                            max_repeats=timing["max_repeats"])}
+                                            max_repeats=timing["max_repeats"]),
+            # how many tensors those bytes are in: what a rounding allocator's padding is counted from
+            "param_tensors": len(list(layer.parameters())), "buffer_tensors": len(list(layer.buffers())),
+            "optimizer_state_tensors": OPTIMIZER_STATE_FACTOR[optimizer] * len(trainable)}
 
 
 def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 5, threads: int | None = None, *,

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..compile.program import LayerBytes
 from ..core.errors import DataError, UsageError
+from ..core.units import alloc_bytes
 from .profiler import saved_counts
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
@@ -81,36 +82,47 @@ def boundary_shapes(layers: list[nn.Module], inputs: torch.Tensor, targets: torc
 
 
 def measure_layer_bytes(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
-                        optimizer_states: int = 2) -> LayerBytes:
+                        optimizer_states: int = 2, granularity: int = 1) -> LayerBytes:
     """Per-layer byte sizes per sample: weights, buffers, optimizer state (``optimizer_states``
     tensors the size of the weights: 2 for Adam), input and saved activations, measured in train
     mode on one sample, or on two where a layer refuses one in training (batch norm over a
-    vector), then halved."""
+    vector), then halved. With ``granularity`` (512 for CUDA's caching allocator), what rounding
+    each tensor up to it adds: exact for weights, buffers and optimizer state, and how many
+    tensors each layer's saved activations are in."""
     try:
         per, n = _per_sample(layers, inputs, targets, 1), 1
     except Exception:
         if inputs.shape[0] < 2:
             raise
         per, n = _per_sample(layers, inputs, targets, 2), 2
-    inp, saved, storage, own, out = ([v / n for v in col] for col in per)
+    inp, saved, storage, own, out = ([v / n for v in col] for col in per[:5])
     wb = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
-    return LayerBytes(weights=tuple(wb),
-                      buffers=tuple(sum(b.numel() * b.element_size() for b in layer.buffers()) for layer in layers),
+    bb = [sum(b.numel() * b.element_size() for b in layer.buffers()) for layer in layers]
+    pads = {}
+    if granularity > 1:
+        def pad(tensors, exact):
+            return sum(alloc_bytes(t.numel() * t.element_size(), granularity) for t in tensors) - exact
+        wp = [pad(layer.parameters(), w) for layer, w in zip(layers, wb)]
+        pads = dict(granularity=granularity, weights_pad=tuple(wp),
+                    buffers_pad=tuple(pad(layer.buffers(), b) for layer, b in zip(layers, bb)),
+                    optimizer_pad=tuple(optimizer_states * p for p in wp), saved_tensors=tuple(int(v) for v in per[5]))
+    return LayerBytes(weights=tuple(wb), buffers=tuple(bb),
                       optimizer=tuple(optimizer_states * w for w in wb), input=tuple(inp), saved=tuple(saved),
                       target=float(targets[:1].numel() * targets.element_size()), saved_storage=tuple(storage),
-                      saved_input=tuple(own), saved_output=tuple(out))
+                      saved_input=tuple(own), saved_output=tuple(out), **pads)
 
 
 def _per_sample(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor, n: int) -> list[list[float]]:
-    """Input bytes and the four saved counts (profiler.saved_counts) of every layer on ``n`` samples."""
+    """Input bytes, the four saved counts (profiler.saved_counts) and the saved tensors of every layer
+    on ``n`` samples."""
     R = len(layers)
-    cols: list[list[float]] = [[], [], [], [], []]
+    cols: list[list[float]] = [[], [], [], [], [], []]
     # copies, not views: a view of the minibatch would be priced as the minibatch's whole storage
     x, target = inputs[:n].clone(), targets[:n].clone()
     with _as_in_training(layers):
         for l, layer in enumerate(layers):
             cols[0].append(float(x.numel() * x.element_size()))
-            for col, v in zip(cols[1:], saved_counts(layer, x, target if l == R - 1 else None)):
+            for col, v in zip(cols[1:], saved_counts(layer, x, target if l == R - 1 else None, tensors=True)):
                 col.append(float(v))
             with torch.no_grad():
                 x = layer(x) if l < R - 1 else x

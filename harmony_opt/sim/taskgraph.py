@@ -142,7 +142,8 @@ def task_memory(plan: Plan, prof: Profile, kind: TaskKind, pack: tuple[int, int]
                 pieces: list[tuple[int, int, int]] | None = None) -> int:
     """Bytes a forward or backward task holds on its GPU: Harmony's pack compute memory (weights,
     buffers, one microbatch's activations, gradients and workspace) plus what the options add
-    (a forward's saved activations of stash packs, a backward's optimizer state on the GPU).
+    (a forward's saved activations of stash packs, a backward's optimizer state on the GPU), the
+    allocator's rounding included where the profile counts tensors (``Profile.pad_bytes``).
     ``pieces``: the forward's ``stash_pieces``, if known."""
     a, b = pack
     if kind == TaskKind.FWD:
@@ -151,12 +152,12 @@ def task_memory(plan: Plan, prof: Profile, kind: TaskKind, pack: tuple[int, int]
         # stash packs: activations of one microbatch wait on the GPU for their swap-out
         for bi, lo, hi in stash_pieces(plan, a, b) if pieces is None else pieces:
             if not plan.options[bi].recompute:
-                mem += int(c.pack_saved(lo, hi))
+                mem += int(c.pack_saved(lo, hi)) + prof.pad_bytes("saved", lo, hi)
         return mem
     c = prof.costs("BWD", plan.microbatch_bwd)
     mem = int(c.pack_memory(a, b))
     if plan.options[bwd_index].optimizer == "gpu":
-        mem += int(prof.optimizer_bytes(a, b))
+        mem += int(prof.optimizer_bytes(a, b)) + prof.pad_bytes("optimizer", a, b)
     return mem
 
 
