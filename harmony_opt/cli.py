@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "harmony_opt.commands.planning",
     "harmony_opt.commands.measure",
     "harmony_opt.commands.running",
+    "harmony_opt.commands.calibrate",
     "harmony_opt.commands.reproduce",
     "harmony_opt.commands.check",
 )

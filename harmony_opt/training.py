@@ -68,7 +68,8 @@ class TrainResult:
             raise UsageError("no trace was recorded: train with trace=True")
         return Timeline.from_records([r for t in self.trace for r in t["events"]], self.iteration_times[-1],
                                      [m for t in self.trace for m in t["memory"]], ranks=len(self.trace),
-                                     meta={"source": "measured"})
+                                     meta={"source": "measured",
+                                           "plan_identity": self.program.plan_identity})
 
 
 def batch_seed(seed: int, step: int) -> int:

@@ -101,8 +101,11 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     losses = list(job.losses_before)
     bar = _progress(job, rank, job.total)
     ok, step, saved = False, job.start_step, job.start_step
+    last = job.total - 1 if job.trace and job.total else None     # the step to trace, where known
     try:
         for x, y in batches:
+            if last is not None:
+                ex.tracing(step == last)
             part = ex.run_iteration(step, x, y)
             if ex.deferred is not None:     # every gradient of the step is in: clip, then the updates
                 optim.clip_and_step(ex.deferred, job.clip_grad_norm, comm)

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # folder in the repository -> the package it installs as (pyproject.toml, package-dir)
 INSTALLED_AS = {"solver_models": "harmony_opt.solver_models", "runtime": "harmony_opt.runtime"}
 LAYERS = ("core", "api", "compile", "sim", "harmony", "planners", "solver_models", "runtime", "measure",
-          "training", "report", "fuzzing", "commands", "cli")
+          "training", "calibrate", "report", "fuzzing", "commands", "cli")
 
 
 def _module(f: Path) -> tuple[str, bool]:

@@ -59,6 +59,10 @@ def register(sub):
                    help="write when every instruction of the last step ran, as a Chrome/Perfetto trace (JSON)")
     r.add_argument("--plot", metavar="PNG", default=None,
                    help="draw the last step as measured: a Gantt chart per rank and stream, like `simulate --plot`")
+    r.add_argument("--no-compare", action="store_true",
+                   help="do not time the last step's instructions nor compare them with the plan's simulation (by "
+                        "default the run ends with the simulated and measured step time and busy time by kind of "
+                        "work)")
     r.set_defaults(func=_run)
 
 
@@ -145,7 +149,7 @@ def _run(args):
                 checkpoint_dir=Path(args.checkpoint) if args.checkpoint else None,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, memory_cap=cap,
                 progress=not args.no_progress, seed=args.seed, program=program, clip_grad_norm=args.clip_grad_norm,
-                trace=bool(args.trace or args.plot))
+                trace=bool(args.trace or args.plot or not args.no_compare))
     from harmony_opt.runtime.launch import torchrun_rank
     if torchrun_rank():         # under torchrun the summary, trace and plot come from rank 0 only
         return
@@ -175,3 +179,34 @@ def _run(args):
             print(f"wrote {measured.to_chrome_trace(args.trace)}")
         if args.plot:
             print(f"wrote {measured.plot(args.plot, title=f'{model.name}: last step as measured')}")
+    if not args.no_compare:
+        if not any(res.trace):
+            print("note: not compared with the plan's simulation: the last step was not traced")
+            return
+        for line in promise_lines(plan, Path(args.plan), res.timeline()):
+            print(line)
+
+
+def promise_lines(plan, plan_path: Path, measured) -> list[str]:
+    """Whether the run kept the plan's promise: the last step's measured time against the plan's simulation
+    (its recorded profile and hardware), and busy time by kind of work; one note line where the plan's
+    profile or hardware is not at hand."""
+    from ..calibrate import format_table, idle_time, promise
+    from ..core.errors import HarmonyOptError
+    from ..core.hardware import Hardware
+    from ..sim.simulator import simulate
+    try:
+        profile = plan_profile(plan, plan_path, None)
+        if not plan.hardware:
+            raise UsageError("the plan records no hardware")
+        hw = Hardware.from_dict(plan.hardware, f"{plan_path}: hardware")
+        simulated = simulate(plan, profile, hw)
+    except HarmonyOptError as e:
+        why = " ".join(str(e).split())
+        return [f"note: not compared with the plan's simulation: {why}"]
+    ratio = measured.iteration_time / simulated.iteration_time if simulated.iteration_time > 0 else float("nan")
+    return [f"the plan's promise: {simulated.iteration_time:.4f} s per step simulated on {hw.name}; the last step took "
+            f"{measured.iteration_time:.4f} s ({ratio:.2f}x); busy time by kind of work (all ranks):",
+            format_table(promise(measured, simulated)),
+            f"no event running on rank 0: measured {idle_time(measured) * 1e3:.3f} ms, simulated "
+            f"{idle_time(simulated) * 1e3:.3f} ms (the executor's own work between instructions)"]

@@ -47,6 +47,14 @@ class Hardware:
     cpu_optimizer_scale: float = 1.0   # multiplies the profile's cpu_update_s (other CPU than profiled)
     gpu_optimizer_bandwidth: float = 300 * GB  # bytes of (W + dW + K) per second for an optimizer step on GPU
     description: str = ""
+    # terms `harmony-opt calibrate` fits to a measured step (neutral defaults: the profile and bandwidths alone)
+    copy_overlap: bool = True          # copies run beside compute (False: in program order, as on the CPU device)
+    h2d_latency_s: float = 0.0         # fixed seconds per host -> GPU transfer, on top of bytes / h2d_bandwidth
+    d2h_latency_s: float = 0.0         # fixed seconds per GPU -> host transfer, on top of bytes / d2h_bandwidth
+    compute_scale: float = 1.0         # multiplies the profile's forward / backward / recompute times
+    cpu_optimizer_call_s: float = 0.0  # fixed seconds per CPU optimizer call, on top of the scaled profile time
+    issue_overhead_s: float = 0.0      # fixed seconds per compute event (forward, backward, recompute)
+    collective_bandwidth: float | None = None   # bytes/s of the vDP all-reduce; None: p2p_bandwidth
 
     def __post_init__(self):
         where = f"hardware {self.name!r}"
@@ -119,9 +127,14 @@ class Hardware:
             except Exception as e:
                 raise HardwareError(f"{source}: {e}") from None
         for k in ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
-                  "cpu_optimizer_scale", "gpu_optimizer_bandwidth"):
+                  "cpu_optimizer_scale", "gpu_optimizer_bandwidth", "collective_bandwidth"):
             if kw.get(k) is not None and not isinstance(kw[k], (int, float)):
                 raise HardwareError(f"{source}: field {k} must be a number (bytes/s), got {kw[k]!r}")
+        for k in ("h2d_latency_s", "d2h_latency_s", "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s"):
+            if k in kw and (isinstance(kw[k], bool) or not isinstance(kw[k], (int, float))):
+                raise HardwareError(f"{source}: field {k} must be a number, got {kw[k]!r}")
+        if "copy_overlap" in kw and not isinstance(kw["copy_overlap"], bool):
+            raise HardwareError(f"{source}: field copy_overlap must be true or false, got {kw['copy_overlap']!r}")
         if "gpus" in kw and (isinstance(kw["gpus"], bool) or not isinstance(kw["gpus"], int)):
             raise HardwareError(f"{source}: field gpus must be a whole number, got {kw['gpus']!r}")
         try:

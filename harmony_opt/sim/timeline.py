@@ -30,6 +30,9 @@ STREAM_COLORS = {"swap_in_w": "tab:brown", "swap_in": "tab:orange", "SwapIn": "t
                  "P2POut": "tab:pink", "cpu": "tab:red", "CPU": "tab:red"}
 
 
+#: The ``meta`` entries a Chrome trace carries (in its ``otherData``) and reads back.
+TRACE_META = ("source", "plan_identity")
+
 _NO_EVENTS = pd.DataFrame(columns=EVENT_COLUMNS)
 _NO_MEMORY = pd.DataFrame(columns=["rank", "time", "bytes"])
 
@@ -96,15 +99,69 @@ class Timeline:
             for s, i in tid.items():
                 trace.append({"ph": "M", "name": "thread_name", "pid": r, "tid": i, "args": {"name": s}})
         for e in self.events.itertuples(index=False):
+            task = e.task.item() if isinstance(e.task, np.generic) else e.task
             trace.append({
                 "ph": "X", "pid": int(e.rank), "tid": tid[e.stream], "name": f"{e.kind} {e.pack}",
                 "ts": float(e.start) * 1e6, "dur": max(float(e.end - e.start), 0.0) * 1e6,
-                "args": {"task": e.task, "microbatch": int(e.microbatch), "bytes": int(e.bytes)},
+                "args": {"task": task, "kind": str(e.kind), "pack": str(e.pack), "microbatch": int(e.microbatch),
+                         "bytes": int(e.bytes)},
             })
         for m in self.memory.itertuples(index=False):
             trace.append({"ph": "C", "pid": int(m.rank), "name": "GPU memory (MiB)",
-                          "ts": float(m.time) * 1e6, "args": {"MiB": float(m.bytes) / 2**20}})
-        return atomic_write_text(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+                          "ts": float(m.time) * 1e6, "args": {"MiB": float(m.bytes) / 2**20, "bytes": int(m.bytes)}})
+        # what from_chrome_trace needs besides the events (Chrome and Perfetto ignore it)
+        other = {"iteration_time_s": float(self.iteration_time), "cost_model": self.cost_model, "ranks": self.ranks,
+                 **{k: v for k, v in self.meta.items() if k in TRACE_META}}
+        return atomic_write_text(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms",
+                                                   "otherData": other}))
+
+    @classmethod
+    def from_chrome_trace(cls, path: str | Path) -> "Timeline":
+        """A Timeline read back from :meth:`to_chrome_trace`'s file (``harmony-opt run --trace``,
+        ``simulate --trace``): its events, memory steps and iteration time. A file that is not such a
+        trace raises UsageError naming it."""
+        from ..core.errors import UsageError
+        from ..core.io import read_text
+
+        path = Path(path)
+        text = read_text(path, "trace file", UsageError, "give a trace written by `harmony-opt run --trace FILE`")
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"trace file {path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        items = doc.get("traceEvents") if isinstance(doc, dict) else None
+        if not isinstance(items, list):
+            raise UsageError(f"trace file {path}: no traceEvents list; give a trace written by "
+                             f"`harmony-opt run --trace FILE`")
+        other = doc.get("otherData") if isinstance(doc.get("otherData"), dict) else {}
+        try:
+            threads = {(int(e["pid"]), int(e["tid"])): str(e["args"]["name"]) for e in items
+                       if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "thread_name"}
+            records, memory = [], []
+            for e in items:
+                if not isinstance(e, dict) or e.get("ph") not in ("X", "C"):
+                    continue
+                a, rank = e.get("args") or {}, int(e["pid"])
+                if e["ph"] == "C":
+                    mib = a.get("bytes", float(a.get("MiB", 0.0)) * 2**20)
+                    memory.append((rank, float(e["ts"]) / 1e6, int(round(mib))))
+                    continue
+                kind, pack = (a["kind"], a["pack"]) if "kind" in a else str(e["name"]).split(" ", 1)
+                start = float(e["ts"]) / 1e6
+                records.append((rank, threads[(rank, int(e["tid"]))], str(kind), a.get("task", ""), str(pack),
+                                int(a.get("microbatch", -1)), start, start + float(e["dur"]) / 1e6,
+                                int(a.get("bytes", 0))))
+        except (KeyError, TypeError, ValueError) as e:
+            raise UsageError(f"trace file {path}: an event lacks or has a malformed field ({type(e).__name__}: "
+                             f"{e}); give a trace written by `harmony-opt run --trace FILE`") from None
+        if not records:
+            raise UsageError(f"trace file {path} holds no timed events; give a trace written by "
+                             f"`harmony-opt run --trace FILE`")
+        iteration = float(other.get("iteration_time_s", max(r[7] for r in records)))
+        ranks = int(other.get("ranks", 1 + max(r[0] for r in records)))
+        meta = {k: v for k, v in other.items() if k in TRACE_META}
+        return cls.from_records(records, iteration, memory, cost_model=str(other.get("cost_model", "default")),
+                                ranks=ranks, meta=meta)
 
     def plot(self, path: str | Path, title: str = "", cap: int | None = None, xmax: float | None = None) -> Path:
         """Gantt chart per rank and stream, with GPU memory over time beneath.

@@ -1,0 +1,394 @@
+"""Calibration: fit the hardware's cost terms to one measured step, so that the simulator predicts
+what the executor does.
+
+The simulator prices a plan from the profile's times and the hardware's bandwidths; a real step
+also pays what those leave out (a fixed cost per copy and per kernel launch, a device slower or
+faster than the one profiled, the CPU optimizer's per-call overhead). :func:`fit_hardware` matches a
+measured Timeline (the last step of ``train(..., trace=True)``) with the simulated one of the same
+plan and fits, by least squares over the matched events, the Hardware terms the simulator charges:
+
+* compute (forward; backward with its recompute): measured = compute_scale * profiled + issue_overhead_s
+* host -> GPU copies (weights and activations): measured = bytes / h2d_bandwidth + h2d_latency_s;
+  GPU -> host copies likewise with d2h_bandwidth, d2h_latency_s
+* CPU optimizer steps: measured = cpu_optimizer_scale * profiled + cpu_optimizer_call_s
+* optimizer steps on the GPU: gpu_optimizer_bandwidth; the vDP all-reduce: collective_bandwidth
+
+The simulated side is priced with these terms neutral (:func:`neutral`: the profile's times and
+bytes / bandwidth alone), so the fit is the same whatever terms the given hardware carried.
+:func:`calibrate` runs the whole comparison for a plan; :func:`promise` is the per-kind comparison
+``harmony-opt run`` prints after training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+import numpy as np
+import pandas as pd
+
+from .core.errors import UsageError
+from .core.hardware import Hardware
+from .sim.timeline import D2H_STREAMS, H2D_STREAMS, P2P_STREAMS, Timeline
+
+#: Kinds of work, in the order tables list them.
+WORK = ("forward", "backward", "GPU step", "CPU step", "weights in", "activations in", "weights out",
+        "activations out", "all-reduce", "GPU to GPU")
+
+#: Compute-stream kinds of both timelines: the executor's instruction kinds (runtime Tracer: FWD, REC,
+#: BWD, UPD, ALL_REDUCE) and the simulator's (FWD, BWD with its recompute inside, GPU_UPD).
+COMPUTE_KINDS = {"FWD": "forward", "REC": "backward", "BWD": "backward", "UPD": "GPU step", "GPU_UPD": "GPU step",
+                 "ALL_REDUCE": "all-reduce"}
+#: Transfer kinds that move a pack's weights, buffers, optimizer state or gradients (the rest: activations).
+WEIGHT_TENSORS = frozenset({"W", "B", "K", "WK", "dW"})
+#: Kinds of work done once per pack, not per microbatch (the executor writes microbatch -1, the simulator 0).
+WHOLE_PACK = frozenset({"GPU step", "CPU step", "weights in", "weights out", "all-reduce"})
+#: Kinds of work whose events are matched per microbatch only: the simulator names an activation copy by
+#: the task it serves, the executor by the layer whose tensor it is.
+ANY_PACK = frozenset({"activations in", "activations out", "GPU to GPU"})
+
+#: The terms fitted, by what they price: (kinds of work, the fields a slope and a fixed cost set).
+TERMS = {
+    "compute": (("forward", "backward"), "compute_scale", "issue_overhead_s"),
+    "host -> GPU": (("weights in", "activations in"), "h2d_bandwidth", "h2d_latency_s"),
+    "GPU -> host": (("weights out", "activations out"), "d2h_bandwidth", "d2h_latency_s"),
+    "CPU step": (("CPU step",), "cpu_optimizer_scale", "cpu_optimizer_call_s"),
+    "GPU step": (("GPU step",), "gpu_optimizer_bandwidth", None),
+    "all-reduce": (("all-reduce",), "collective_bandwidth", None),
+}
+
+#: The cost terms with their neutral values: the simulator then prices from the profile and bandwidths alone.
+NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s": 0.0, "d2h_latency_s": 0.0,
+                 "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None}
+
+
+def neutral(hardware: Hardware) -> Hardware:
+    """``hardware`` with the fitted terms neutral (bandwidths and ``copy_overlap`` kept): the
+    simulation :func:`fit_hardware` compares with."""
+    return dataclasses.replace(hardware, **NEUTRAL_TERMS)
+
+
+def work_of(stream: str, kind: str) -> str | None:
+    """The kind of work (one of WORK) an event of either timeline is; None for what is neither."""
+    if stream.lower() == "cpu":
+        return "CPU step"
+    if stream == "compute":
+        return COMPUTE_KINDS.get(kind)
+    if stream in H2D_STREAMS:
+        return "weights in" if kind in WEIGHT_TENSORS else "activations in"
+    if stream in D2H_STREAMS:
+        return "weights out" if kind in WEIGHT_TENSORS else "activations out"
+    if stream in P2P_STREAMS:
+        return "all-reduce" if kind == "ARD" else "GPU to GPU"
+    return None
+
+
+def busy_by_work(timeline: Timeline) -> dict[str, float]:
+    """Busy seconds of each kind of work, summed over ranks."""
+    out: dict[str, float] = defaultdict(float)
+    ev = timeline.events
+    for s, k, a, b in zip(ev["stream"], ev["kind"], ev["start"], ev["end"]):
+        w = work_of(str(s), str(k))
+        if w is not None:
+            out[w] += float(b) - float(a)
+    return dict(out)
+
+
+def idle_time(timeline: Timeline, rank: int = 0) -> float:
+    """Seconds of the step in which no event of ``rank`` runs on any stream: in a measured step the
+    executor's own work between instructions (and waits), which no cost term prices."""
+    ev = timeline.events[timeline.events["rank"] == rank]
+    spans = sorted(zip(ev["start"].astype(float), ev["end"].astype(float)))
+    covered, reach = 0.0, 0.0
+    for a, b in spans:
+        if b > reach:
+            covered += b - max(a, reach)
+            reach = b
+    return max(float(timeline.iteration_time) - covered, 0.0)
+
+
+# -- matching ---------------------------------------------------------------------------------------------
+
+def _anchors(plan) -> dict[str, dict[int, str]]:
+    """Layer -> the label of the plan's pack that holds it, forward and backward: the executor may run
+    a forward pack as sub-packs (to stash an input inside it), the simulator names the whole pack."""
+    if plan is None:
+        return {}
+    out = {}
+    for work, packs in (("forward", plan.packs_fwd), ("backward", plan.packs_bwd)):
+        out[work] = {l: f"{a}-{b}" for a, b in packs for l in range(a, b + 1)}
+    return out
+
+
+def _key(rank: int, work: str, pack: str, mb: int, anchors: dict) -> tuple:
+    if work in ANY_PACK:
+        pack = "*"
+    elif work in anchors:
+        try:
+            pack = anchors[work].get(int(str(pack).split("-")[0]), pack)
+        except ValueError:
+            pass
+    return int(rank), work, str(pack), -1 if work in WHOLE_PACK else int(mb)
+
+
+def _groups(events: pd.DataFrame, anchors: dict) -> dict[tuple, list[float]]:
+    """(rank, work, pack, microbatch) -> [events, seconds, bytes] of a timeline's events."""
+    out: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    for r, s, k, p, m, a, b, n in zip(events["rank"], events["stream"], events["kind"], events["pack"],
+                                      events["microbatch"], events["start"], events["end"], events["bytes"]):
+        w = work_of(str(s), str(k))
+        if w is None:
+            continue
+        g = out[_key(r, w, p, m, anchors)]
+        g[0] += 1
+        g[1] += float(b) - float(a)
+        g[2] += int(n)
+    return out
+
+
+# -- least squares ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Fit:
+    """One fitted pair: measured = slope * x + fixed * (simulated events), over ``points`` matched groups."""
+    name: str
+    works: tuple[str, ...]
+    slope: float | None          # None: nothing to fit it from (the input's is kept)
+    fixed: float                 # seconds per simulated event
+    points: int
+    note: str = ""
+
+
+def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool) -> tuple[float | None, float, str]:
+    """Least squares of ``y = a * x + b * n`` with ``a > 0`` and ``b >= 0`` (``two=False``: ``b = 0``).
+    Where the points cannot tell ``a`` from ``b`` (fewer than two distinct ratios x / n), ``a`` alone,
+    through the origin; where y does not grow with x, ``a = slope0`` (the input's) and ``b`` alone."""
+    if not len(y):
+        return None, 0.0, "no matched events: kept"
+    if not (x > 0).any():
+        if not two:
+            return None, 0.0, "no work to scale: kept"
+        return None, max(float(n @ y / (n @ n)), 0.0), "only fixed costs (nothing to scale): slope kept"
+    through_origin = float(x @ y / (x @ x))
+    if not two:
+        return through_origin, 0.0, ""
+    scale = np.array([np.abs(x).max(), np.abs(n).max()])
+    a_mat = np.column_stack([x, n]) / scale
+    if np.linalg.matrix_rank(a_mat, tol=1e-9 * np.abs(a_mat).max()) < 2:
+        return through_origin, 0.0, (f"{len(y)} matched group(s) of one shape: the slope alone, through the "
+                                     f"origin (the fixed cost needs events of different sizes)")
+    (a, b), *_ = np.linalg.lstsq(a_mat, y, rcond=None)
+    a, b = float(a / scale[0]), float(b / scale[1])
+    if a <= 0:
+        b = max(float(n @ (y - slope0 * x) / (n @ n)), 0.0)
+        return slope0, b, "the measured time does not grow with the work: slope kept, fixed cost fitted"
+    if b < 0:
+        return through_origin, 0.0, "the fixed cost came out negative: clipped to 0, slope refitted"
+    return a, b, ""
+
+
+# -- the fit ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Calibration:
+    """What :func:`fit_hardware` found: the fitted Hardware, each fit, and busy seconds by kind of work."""
+    hardware: Hardware
+    fits: dict[str, Fit]
+    measured: dict[str, float]      # the measured step, all ranks
+    simulated: dict[str, float]     # the simulation fitted against (the terms neutral)
+    fitted: dict[str, float]        # its events priced with the fitted terms
+    unmatched: dict[str, float]     # measured seconds with no simulated event of their key (not fitted)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    table: pd.DataFrame | None = None           # calibrate(): by kind, before and after
+    iteration: dict[str, float] = dataclasses.field(default_factory=dict)  # measured, before, after (calibrate)
+
+    def terms(self) -> dict[str, object]:
+        """The fields the fit sets, with their fitted values."""
+        names = [f for _, a, b in TERMS.values() for f in (a, b) if f] + ["link_bandwidth"]
+        return {f: getattr(self.hardware, f) for f in names}
+
+
+def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, plan=None) -> Calibration:
+    """Fit ``hardware``'s cost terms so that ``simulated`` (the same plan simulated on
+    :func:`neutral` ``(hardware)``) prices its events as ``measured`` took them.
+
+    Events are matched by (rank, kind of work, pack, microbatch) (``plan``, when given, names the
+    forward and backward pack each compute event belongs to); each key's measured seconds are fitted
+    against its simulated events' neutral seconds (compute, CPU steps) or bytes (copies) and count.
+    Returns the fitted Hardware (``dataclasses.replace``; ``copy_overlap`` and the rest kept)."""
+    anchors = _anchors(plan)
+    got, sim = _groups(measured.events, anchors), _groups(simulated.events, anchors)
+    unmatched: dict[str, float] = defaultdict(float)
+    for key, (_, secs, _) in got.items():
+        if key not in sim:
+            unmatched[key[1]] += secs
+    changes: dict[str, object] = {}
+    fits: dict[str, Fit] = {}
+    price: dict[str, tuple[float, float]] = {}      # work -> (seconds per unit of x, seconds per event)
+    notes = []
+    for name, (works, slope_field, fixed_field) in TERMS.items():
+        keys = [k for k in sim if k[1] in works and k in got]
+        bytes_x = name in ("host -> GPU", "GPU -> host")
+        x = np.array([sim[k][2] if bytes_x else sim[k][1] for k in keys], dtype=float)
+        n = np.array([sim[k][0] for k in keys], dtype=float)
+        y = np.array([got[k][1] for k in keys], dtype=float)
+        old = _neutral_slope(hardware, slope_field)
+        slope, fixed, note = _line(x, n, y, old, fixed_field is not None)
+        fits[name] = Fit(name, works, slope, fixed, len(keys), note)
+        if slope is None and not keys:
+            if any(k[1] in works for k in sim):
+                notes.append(f"{name}: no measured event matches a simulated one: kept as it was")
+            continue
+        used = old if slope is None else slope
+        price.update({w: (used, fixed) for w in works})
+        changes.update(_fields(hardware, slope_field, used, fixed_field, fixed))
+        if note:
+            notes.append(f"{name}: {note}")
+    new = _keep_link_slots(hardware, dataclasses.replace(hardware, **changes))
+    measured_busy, simulated_busy = busy_by_work(measured), busy_by_work(simulated)
+    fitted: dict[str, float] = defaultdict(float)
+    for (_, work, _, _), (count, secs, nbytes) in sim.items():
+        if work in price:
+            a, b = price[work]
+            fitted[work] += a * (nbytes if work in ("weights in", "activations in", "weights out",
+                                                    "activations out") else secs) + b * count
+        else:
+            fitted[work] += secs
+    return Calibration(new, fits, measured_busy, simulated_busy, dict(fitted), dict(unmatched), notes)
+
+
+def _neutral_slope(hw: Hardware, field: str) -> float:
+    """The slope the neutral simulation already prices with: seconds per byte of a copy, 1 for times."""
+    if field in ("h2d_bandwidth", "d2h_bandwidth"):
+        return 1.0 / getattr(hw, field)
+    return 1.0
+
+
+def _fields(hw: Hardware, slope_field: str, slope: float, fixed_field: str | None, fixed: float) -> dict:
+    """The Hardware fields a fitted slope and fixed cost set."""
+    out: dict[str, object] = {} if fixed_field is None else {fixed_field: fixed}
+    if slope_field in ("h2d_bandwidth", "d2h_bandwidth"):
+        out[slope_field] = 1.0 / slope
+    elif slope_field == "gpu_optimizer_bandwidth":
+        out[slope_field] = hw.gpu_optimizer_bandwidth / slope
+    elif slope_field == "collective_bandwidth":
+        out[slope_field] = hw.p2p_bandwidth / slope
+    else:
+        out[slope_field] = slope
+    return out
+
+
+def _keep_link_slots(old: Hardware, new: Hardware) -> Hardware:
+    """Scale a shared link's total bandwidth with the per-copy ones, so that as many copies run at
+    once as before (a slower copy is not a wider link)."""
+    if old.link_bandwidth is None:
+        return new
+    was, now = max(old.h2d_bandwidth, old.d2h_bandwidth), max(new.h2d_bandwidth, new.d2h_bandwidth)
+    return dataclasses.replace(new, link_bandwidth=old.link_bandwidth * now / was)
+
+
+# -- the whole comparison ---------------------------------------------------------------------------------
+
+#: What a plan's simulation does of each kind of work, for the message when a trace has none of it.
+_DOES = {"forward": "runs {n} forward computations", "backward": "runs {n} backward computations",
+         "GPU step": "steps {n} packs' optimizer on the GPU", "CPU step": "steps {n} packs' optimizer on the CPU",
+         "weights in": "moves {n} weight packs to the device", "activations in": "moves {n} activations to the device",
+         "weights out": "moves {n} weight packs (gradients) to the host",
+         "activations out": "moves {n} activations to the host", "all-reduce": "all-reduces {n} packs' gradients"}
+
+
+def check_measured(measured: Timeline, simulated: Timeline, plan, where: str = "the measured step") -> None:
+    """Refuse a measured step that cannot be this plan's: another plan's identity, another rank count,
+    or no event of a kind of work the plan's simulation has (GPU-to-GPU copies excepted: a GPU run
+    does not time them)."""
+    from .compile.program import plan_identity
+    made = measured.meta.get("plan_identity")
+    if made and plan is not None and made != plan_identity(plan):
+        raise UsageError(f"{where} was traced from another plan (identity {made}, this plan's is "
+                         f"{plan_identity(plan)}); trace a run of this plan")
+    if plan is not None and measured.ranks != plan.gpus:
+        raise UsageError(f"{where} has {measured.ranks} rank(s) but the plan runs on {plan.gpus} GPU(s): was it "
+                         f"traced from this plan?")
+    have: dict[str, int] = defaultdict(int)
+    for s, k in zip(measured.events["stream"], measured.events["kind"]):
+        have[work_of(str(s), str(k))] += 1
+    wanted: dict[str, int] = defaultdict(int)
+    for s, k in zip(simulated.events["stream"], simulated.events["kind"]):
+        wanted[work_of(str(s), str(k))] += 1
+    for work in WORK:
+        if work in _DOES and wanted.get(work) and not have.get(work):
+            raise UsageError(f"{where} has no {work} events but the plan {_DOES[work].format(n=wanted[work])}: "
+                             f"was it traced from this plan?")
+
+
+def calibrate(plan, profile, hardware: Hardware, measured: Timeline, where: str = "the measured step") -> Calibration:
+    """Simulate ``plan`` on ``hardware`` (before), on its neutral terms (fitted against) and on the
+    fitted hardware (after); fit; return the Calibration with its table by kind of work and the
+    iteration times."""
+    from .sim.simulator import simulate
+
+    base = neutral(hardware)
+    simulated = simulate(plan, profile, base)
+    check_measured(measured, simulated, plan, where)
+    before = simulated if base == hardware else simulate(plan, profile, hardware)
+    cal = fit_hardware(measured, simulated, hardware, plan)
+    after = simulate(plan, profile, cal.hardware)
+    cal.table = kind_table(measured, before, cal.fitted, after)
+    cal.iteration = {"measured": measured.iteration_time, "before": before.iteration_time,
+                     "after": after.iteration_time, "measured_idle": idle_time(measured),
+                     "before_idle": idle_time(before), "after_idle": idle_time(after)}
+    return cal
+
+
+def kind_table(measured: Timeline, before: Timeline, fitted: dict[str, float] | None = None,
+               after: Timeline | None = None) -> pd.DataFrame:
+    """Busy seconds by kind of work (all ranks): measured, simulated before, and where given the fitted
+    formulas' prediction and the simulation on the fitted hardware; with measured / predicted."""
+    m, b = busy_by_work(measured), busy_by_work(before)
+    a = busy_by_work(after) if after is not None else {}
+    rows = []
+    for work in WORK:
+        if work not in m and work not in b:
+            continue
+        row = {"kind": work, "measured_s": m.get(work, 0.0), "simulated_s": b.get(work, 0.0)}
+        row["ratio"] = _ratio(row["measured_s"], row["simulated_s"])
+        if fitted is not None:
+            row["fitted_s"] = fitted.get(work, 0.0)
+            row["fitted_ratio"] = _ratio(row["measured_s"], row["fitted_s"])
+        if after is not None:
+            row["simulated_after_s"] = a.get(work, 0.0)
+            row["after_ratio"] = _ratio(row["measured_s"], row["simulated_after_s"])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
+
+
+def promise(measured: Timeline, simulated: Timeline) -> pd.DataFrame:
+    """Whether a run kept its plan's promise: busy seconds by kind of work, measured against simulated."""
+    return kind_table(measured, simulated)
+
+
+def format_table(table: pd.DataFrame) -> str:
+    """A kind table for the terminal: milliseconds and ratios, blanks where there is nothing to divide."""
+    heads = {"kind": "kind", "measured_s": "measured ms", "simulated_s": "simulated ms", "ratio": "ratio",
+             "fitted_s": "fitted ms", "fitted_ratio": "ratio", "simulated_after_s": "re-simulated ms",
+             "after_ratio": "ratio"}
+    cols = [c for c in heads if c in table]
+    cells = [[heads[c] for c in cols]]
+    for row in table.itertuples(index=False):
+        out = []
+        for c in cols:
+            v = getattr(row, c)
+            if c == "kind":
+                out.append(str(v))
+            elif c.endswith("ratio"):
+                out.append("" if math.isnan(v) else f"{v:.2f}")
+            else:
+                out.append(f"{v * 1e3:.3f}")
+        cells.append(out)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in cells)

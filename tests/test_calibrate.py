@@ -1,0 +1,227 @@
+"""Calibration: the fit recovers known cost terms from a synthetic step, the command refuses bad input
+in one line, and a real CPU run calibrates and reports its plan's promise."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from harmony_opt import get_hardware
+from harmony_opt.calibrate import busy_by_work, calibrate, fit_hardware, idle_time, neutral, work_of
+from harmony_opt.cli import main
+from harmony_opt.core.errors import UsageError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.core.plan import PackOptions, Plan
+from harmony_opt.sim.simulator import simulate
+from harmony_opt.sim.timeline import Timeline
+
+from conftest import synthetic_profile
+
+HW = get_hardware("1080ti-x4").with_gpus(2)
+#: the terms the synthetic step is made with
+COMPUTE, ISSUE, H2D_BW, H2D_LAT, D2H_BW, D2H_LAT, CPU_SCALE, CPU_CALL = 0.8, 50e-6, 2e9, 30e-6, 3e9, 20e-6, 1.5, 1e-3
+GPU_STEP_SLOWER, ALL_REDUCE_BW = 2.0, 4e9
+
+
+def _plan(mode="vPP", gpus=1, gpu_step=False) -> Plan:
+    bwd = [(0, 1), (2, 3), (4, 5), (6, 7)]
+    opts = tuple(PackOptions(recompute=i != 1, optimizer="gpu" if gpu_step and i == 2 else "cpu")
+                 for i in range(len(bwd)))
+    return Plan("test", mode, gpus, 8, 2, 2, [(0, 2), (3, 5)], bwd, 8, options=opts)
+
+
+def _synthetic(tl: Timeline, n_ranks: int) -> Timeline:
+    """The simulated step as a machine with known terms would run it: each event's duration from the
+    neutral one by the terms (the start times do not matter to the fit)."""
+    ev = tl.events.copy()
+    d = (ev.end - ev.start).to_numpy(dtype=float, copy=True)
+    for i, (s, k, b) in enumerate(zip(ev.stream, ev.kind, ev.bytes)):
+        w = work_of(s, k)
+        if w in ("forward", "backward"):
+            d[i] = COMPUTE * d[i] + ISSUE
+        elif w in ("weights in", "activations in"):
+            d[i] = b / H2D_BW + H2D_LAT
+        elif w in ("weights out", "activations out"):
+            d[i] = b / D2H_BW + D2H_LAT
+        elif w == "CPU step":
+            d[i] = CPU_SCALE * d[i] + CPU_CALL
+        elif w == "GPU step":
+            d[i] = GPU_STEP_SLOWER * d[i]
+        elif w == "all-reduce":
+            d[i] = 2 * (n_ranks - 1) / n_ranks * b / ALL_REDUCE_BW
+    ev["end"] = ev.start + d
+    return Timeline(ev, float(ev.end.max()), ranks=tl.ranks, meta={"source": "measured"})
+
+
+def _close(a, b):
+    assert a == pytest.approx(b, rel=1e-6), (a, b)
+
+
+@pytest.mark.parametrize("mode,gpus,gpu_step", [("vPP", 1, False), ("vPP", 2, True), ("vDP", 2, True)])
+def test_fit_recovers_known_terms_from_a_synthetic_step(mode, gpus, gpu_step):
+    prof, plan = synthetic_profile(R=8), _plan(mode, gpus, gpu_step)
+    hw = dataclasses.replace(HW, compute_scale=3.0, h2d_latency_s=1.0)     # ignored: the fit is against neutral
+    sim = simulate(plan, prof, neutral(hw))
+    cal = fit_hardware(_synthetic(sim, gpus), sim, hw, plan)
+    got = cal.hardware
+    _close(got.compute_scale, COMPUTE)
+    _close(got.issue_overhead_s, ISSUE)
+    _close(got.h2d_bandwidth, H2D_BW)
+    _close(got.h2d_latency_s, H2D_LAT)
+    _close(got.d2h_bandwidth, D2H_BW)
+    _close(got.d2h_latency_s, D2H_LAT)
+    _close(got.cpu_optimizer_scale, CPU_SCALE)
+    _close(got.cpu_optimizer_call_s, CPU_CALL)
+    if gpu_step:
+        _close(got.gpu_optimizer_bandwidth, hw.gpu_optimizer_bandwidth / GPU_STEP_SLOWER)
+    if mode == "vDP":
+        _close(got.collective_bandwidth, ALL_REDUCE_BW)
+    else:
+        assert got.collective_bandwidth is None
+    # the rest is kept, and the shared link still runs as many copies at once
+    assert got.copy_overlap == hw.copy_overlap and got.p2p_bandwidth == hw.p2p_bandwidth
+    assert got.link_slots == hw.link_slots
+    # the fitted formulas price the simulated events as they were measured, kind by kind
+    for work, secs in cal.measured.items():
+        _close(cal.fitted[work], secs)
+    assert not cal.unmatched and not cal.notes
+
+
+def test_one_shape_of_event_fits_the_slope_alone_and_says_so():
+    """Every CPU step of one size: the per-call cost cannot be told from the scale."""
+    prof = synthetic_profile(R=4)
+    plan = Plan("test", "vPP", 1, 4, 2, 2, [], [(0, 3)], 4)
+    sim = simulate(plan, prof, neutral(HW))
+    cal = fit_hardware(_synthetic(sim, 1), sim, HW, plan)
+    assert cal.hardware.cpu_optimizer_call_s == 0.0
+    _close(cal.hardware.cpu_optimizer_scale, CPU_SCALE + CPU_CALL / float(
+        (sim.events[sim.events.stream == "cpu"].end - sim.events[sim.events.stream == "cpu"].start).sum()))
+    assert any(n.startswith("CPU step: 1 matched group(s) of one shape") for n in cal.notes)
+
+
+def test_executor_names_match_the_simulators():
+    """The executor times a backward pack's recompute apart (REC) and names a copy by its tensor's layer;
+    both are matched to the simulator's events."""
+    assert work_of("compute", "REC") == work_of("compute", "BWD") == "backward"
+    assert work_of("compute", "UPD") == work_of("compute", "GPU_UPD") == "GPU step"
+    assert work_of("swap_in", "W") == work_of("swap_in_w", "W") == "weights in"
+    assert work_of("swap_in", "B") == "weights in" and work_of("swap_in", "sX") == "activations in"
+    assert work_of("swap_out", "dW") == "weights out" and work_of("swap_out", "sA") == "activations out"
+    assert work_of("p2p", "ARD") == "all-reduce" and work_of("cpu", "UPD") == "CPU step"
+
+
+def test_idle_time_is_the_step_less_the_union_of_events():
+    rows = [(0, "compute", "FWD", 0, "0-0", 0, 0.0, 1.0, 0), (0, "swap_in", "X", 0, "0-0", 0, 0.5, 2.0, 8),
+            (0, "compute", "BWD", 1, "0-0", 0, 3.0, 4.0, 0), (1, "compute", "FWD", 0, "0-0", 0, 0.0, 5.0, 0)]
+    tl = Timeline.from_records(rows, 5.0, ranks=2)
+    assert idle_time(tl) == pytest.approx(2.0) and idle_time(tl, rank=1) == 0.0
+
+
+def test_chrome_trace_round_trips(tmp_path):
+    prof, plan = synthetic_profile(R=8), _plan("vPP", 2)
+    tl = simulate(plan, prof, HW)
+    tl.meta.update({"source": "measured", "plan_identity": "abc"})
+    back = Timeline.from_chrome_trace(tl.to_chrome_trace(tmp_path / "t.json"))
+    assert back.ranks == tl.ranks and back.iteration_time == tl.iteration_time
+    assert back.meta == {"source": "measured", "plan_identity": "abc"}
+    cols = ["rank", "stream", "kind", "pack", "microbatch", "bytes"]
+    assert back.events[cols].values.tolist() == tl.events[cols].values.tolist()
+    assert np.allclose(back.events.end - back.events.start, tl.events.end - tl.events.start, atol=1e-9)
+    assert busy_by_work(back) == pytest.approx(busy_by_work(tl))
+    (tmp_path / "bad.json").write_text('{"traceEvents": []}')
+    with pytest.raises(UsageError, match="no timed events"):
+        Timeline.from_chrome_trace(tmp_path / "bad.json")
+
+
+def test_a_step_missing_a_kind_of_work_is_refused():
+    prof, plan = synthetic_profile(R=8), _plan()
+    sim = simulate(plan, prof, HW)
+    measured = _synthetic(sim, 1)
+    measured.events = measured.events[measured.events.stream != "swap_in_w"]
+    with pytest.raises(UsageError, match=r"has no weights in events but the plan moves 6 weight packs to the device"):
+        calibrate(plan, prof, HW, measured)
+
+
+# -- the command, on a real CPU run of the smallest model -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A profile of gpt2-tiny (one quick pass) and a plan for it that swaps under a 2 MB cap."""
+    t = tmp_path_factory.mktemp("tiny")
+    assert main(["profile", "gpt2-tiny", "--device", "cpu", "-u", "1,2", "-o", str(t / "prof"), "--repeats", "1",
+                 "--warmup", "0", "--threads", "1"]) == 0
+    assert main(["baseline", "--planner", "harmony", "--profile", str(t / "prof"), "--hardware", "h100-x1",
+                 "--batch", "4", "--memory-cap", "2MB", "-o", str(t / "plan.json")]) == 0
+    return t
+
+
+def _one_line_error(capsys, argv, fragment):
+    assert main(argv) == 2, argv
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and fragment in err, (argv, err)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_calibrate_a_real_cpu_run_writes_hardware_that_simulate_accepts(tiny, capsys):
+    plan, out = str(tiny / "plan.json"), tiny / "fitted.toml"
+    capsys.readouterr()
+    assert main(["calibrate", plan, "--model", "gpt2-tiny", "--steps", "2", "--no-progress", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "running 2 step(s) of the plan" in text and "measured ms" in text and "re-simulated ms" in text
+    assert "iteration: measured" in text and "no event running on rank 0" in text and f"wrote {out}" in text
+    hw = Hardware.load(out)
+    assert hw.name == "h100-x1-calibrated" and hw.compute_scale > 0 and hw.h2d_latency_s >= 0
+    assert hw.issue_overhead_s >= 0 and hw.cpu_optimizer_scale > 0 and hw.copy_overlap
+    assert main(["simulate", plan, "--hardware", str(out)]) == 0
+    assert "iteration time" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_run_reports_the_promise_and_its_trace_calibrates(tiny, capsys):
+    plan, trace = str(tiny / "plan.json"), tiny / "t.json"
+    capsys.readouterr()
+    assert main(["run", plan, "--model", "gpt2-tiny", "--steps", "2", "--no-progress", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "the plan's promise:" in out and "s per step simulated on h100-x1; the last step took" in out
+    assert "forward" in out and "weights in" in out
+    assert main(["calibrate", plan, "--trace", str(trace), "-o", str(tiny / "from_trace.json")]) == 0
+    assert "read the traced step from" in capsys.readouterr().out
+    assert json.loads((tiny / "from_trace.json").read_text())["compute_scale"] > 0
+    # a trace without the plan's weight copies, or from another plan, is refused
+    doc = json.loads(trace.read_text())
+    tids = {e["tid"] for e in doc["traceEvents"] if e.get("name") == "thread_name" and e["args"]["name"] == "swap_in"}
+    cut = dict(doc, traceEvents=[e for e in doc["traceEvents"] if not (
+        e.get("ph") == "X" and e["tid"] in tids and e["args"]["kind"] in ("W", "B"))])
+    (tiny / "cut.json").write_text(json.dumps(cut))
+    _one_line_error(capsys, ["calibrate", plan, "--trace", str(tiny / "cut.json"), "-o", str(tiny / "x.toml")],
+                    "cut.json has no weights in events but the plan moves")
+    other = dict(doc, otherData={**doc["otherData"], "plan_identity": "0123456789abcdef"})
+    (tiny / "other.json").write_text(json.dumps(other))
+    _one_line_error(capsys, ["calibrate", plan, "--trace", str(tiny / "other.json"), "-o", str(tiny / "x.toml")],
+                    "was traced from another plan")
+    # without the plan's profile at hand: one note line instead
+    d = json.loads((tiny / "plan.json").read_text())
+    (tiny / "lost.json").write_text(json.dumps(dict(d, profile={"name": "gpt2-tiny"})))
+    assert main(["run", str(tiny / "lost.json"), "--model", "gpt2-tiny", "--steps", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "note: not compared with the plan's simulation:" in out and "promise" not in out
+
+
+def test_calibrate_refuses_bad_input_in_one_line(tiny, capsys):
+    plan, out = str(tiny / "plan.json"), str(tiny / "x.toml")
+    run = ["--model", "gpt2-tiny", "-o", out]
+    for argv, fragment in (
+            (["calibrate", plan, *run, "--steps", "0"], "--steps must be >= 1"),
+            (["calibrate", plan, "--model", "vgg-tiny", "-o", out], "not of model 'vgg-tiny'"),
+            (["calibrate", plan, *run, "--set", "n_layer=1"], "the plan has 8 layers"),
+            (["calibrate", str(tiny / "nope.json"), *run], "does not exist"),
+            (["calibrate", plan, *run, "--hardware", str(tiny / "nope.toml")], "does not exist"),
+            (["calibrate", plan, "--trace", str(tiny / "nope.json"), "-o", out], "does not exist"),
+            (["calibrate", plan, "--trace", plan, "-o", out], "no traceEvents"),
+            (["calibrate", plan, *run, "--trace", plan], "not both"),
+            (["calibrate", plan, "-o", out], "give --model"),
+            (["calibrate", plan, "--model", "gpt2-tiny", "-o", str(tiny / "x.txt")], ".toml or .json")):
+        _one_line_error(capsys, argv, fragment)
+    assert not (tiny / "x.toml").exists()
