@@ -186,6 +186,8 @@ def test_profile_on_cuda_measures_peak_memory(tmp_path):
 def test_probe_on_cuda():
     hw = probe_hardware("cuda", sizes=(1 << 20, 16 << 20), repeats=2)
     assert hw.gpus == torch.cuda.device_count() and hw.h2d_bandwidth > 1e8 and hw.d2h_bandwidth > 1e8
+    assert hw.h2d_latency_s >= 0 and hw.d2h_latency_s >= 0 and hw.cpu_optimizer_call_s > 0
+    assert isinstance(hw.copy_overlap, bool) and hw.collective_bandwidth is None
 
 
 def test_counting_saved_bytes_keeps_no_graph_alive():

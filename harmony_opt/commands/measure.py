@@ -38,12 +38,17 @@ def register(sub):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_profile)
 
-    q = sub.add_parser("probe", help="measure host<->GPU and GPU<->GPU bandwidth and memory; write a hardware file")
+    q = sub.add_parser("probe", help="measure transfers (latency + bandwidth), the CPU optimizer's cost per call, "
+                                     "the executor's dispatch cost, copy/compute overlap and memory, through the "
+                                     "executor's code; write a hardware file")
     q.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda when available, else cpu (host memcpy only, for testing)")
+                   help="default: cuda when available, else cpu (the executor's CPU swaps: for testing and CPU runs)")
     q.add_argument("-o", "--output", required=True, help="hardware file to write (.toml, or .json)")
-    q.add_argument("--sizes", default=None, help="transfer sizes, e.g. 4MiB,32MiB,256MiB (default)")
-    q.add_argument("--repeats", type=int, default=5, help="copies per size (default 5)")
+    q.add_argument("--sizes", default=None,
+                   help="transfer sizes, e.g. 64KiB,1MiB,16MiB,256MiB (the default on a GPU; on the CPU without "
+                        "256MiB); each at 1, 4 and 16 tensors")
+    q.add_argument("--repeats", type=int, default=5,
+                   help="timed runs of each measurement, the fastest kept (default 5)")
     add_threads(q)
     q.set_defaults(func=_probe)
 
@@ -69,18 +74,21 @@ def _profile(args):
 
 
 def _probe(args):
-    from ..measure.probe import DEFAULT_SIZES, probe_hardware
+    from ..measure.probe import probe_hardware
     from ..core.units import fmt_bytes, parse_bytes
 
     path = writable_file(args.output)
-    sizes = DEFAULT_SIZES if args.sizes is None else tuple(
+    sizes = None if args.sizes is None else tuple(
         parse_bytes(s, "--sizes") for s in args.sizes.split(",") if s.strip())
-    if not sizes or args.repeats < 1:
+    if sizes == () or args.repeats < 1 or (sizes and min(sizes) < 1):
         raise UsageError("--sizes needs at least one size and --repeats must be >= 1")
     hw = probe_hardware(args.device or _default_device(), sizes, repeats=args.repeats, threads=args.threads)
     written(hw.save, path, f"the hardware file {path}")
     print(f"wrote {path}: {hw.name}, {hw.gpus} device(s) of {fmt_bytes(hw.gpu_memory_bytes)} usable, "
-          f"host->device {hw.h2d_bandwidth / 1e9:.1f} GB/s, device->host {hw.d2h_bandwidth / 1e9:.1f} GB/s")
+          f"host->device {hw.h2d_latency_s * 1e6:.0f} us + {hw.h2d_bandwidth / 1e9:.1f} GB/s, device->host "
+          f"{hw.d2h_latency_s * 1e6:.0f} us + {hw.d2h_bandwidth / 1e9:.1f} GB/s, CPU optimizer "
+          f"{hw.cpu_optimizer_call_s * 1e6:.0f} us per call, {hw.issue_overhead_s * 1e6:.0f} us per compute "
+          f"instruction, copies {'beside' if hw.copy_overlap else 'in line with'} compute")
 
 
 def add_threads(p) -> None:

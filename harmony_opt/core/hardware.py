@@ -46,6 +46,13 @@ class Hardware:
     host_copy_bandwidth: float = 16 * GiB   # host memory copies between processes, bytes/s
     cpu_optimizer_scale: float = 1.0   # multiplies the profile's cpu_update_s (other CPU than profiled)
     gpu_optimizer_bandwidth: float = 300 * GB  # bytes of (W + dW + K) per second for an optimizer step on GPU
+    copy_overlap: bool = True        # transfers run beside compute (CUDA streams); False: one thread, in order
+    h2d_latency_s: float = 0.0       # fixed seconds per host -> device transfer instruction
+    d2h_latency_s: float = 0.0       # fixed seconds per device -> host transfer instruction
+    compute_scale: float = 1.0       # multiplies the profile's compute times
+    cpu_optimizer_call_s: float = 0.0   # fixed seconds per CPU optimizer call (one per pack and iteration)
+    issue_overhead_s: float = 0.0    # fixed seconds per compute instruction beyond its kernels
+    collective_bandwidth: float | None = None   # bytes/s of the vDP all-reduce; None = p2p_bandwidth
     description: str = ""
     # terms `harmony-opt calibrate` fits to a measured step (neutral defaults: the profile and bandwidths alone)
     copy_overlap: bool = True          # copies run beside compute (False: in program order, as on the CPU device)
@@ -74,6 +81,13 @@ class Hardware:
             raise HardwareError(f"{where}: p2p_bandwidth must be >= 0, got {self.p2p_bandwidth!r}")
         if not self.cpu_optimizer_scale > 0:
             raise HardwareError(f"{where}: cpu_optimizer_scale must be positive")
+        for f in ("h2d_latency_s", "d2h_latency_s", "cpu_optimizer_call_s", "issue_overhead_s"):
+            if not getattr(self, f) >= 0:
+                raise HardwareError(f"{where}: {f} must be >= 0 seconds, got {getattr(self, f)!r}")
+        if not self.compute_scale > 0:
+            raise HardwareError(f"{where}: compute_scale must be positive, got {self.compute_scale!r}")
+        if self.collective_bandwidth is not None and not self.collective_bandwidth > 0:
+            raise HardwareError(f"{where}: collective_bandwidth must be positive, got {self.collective_bandwidth!r}")
         if self.pinned_memory_bytes > self.host_memory_bytes:
             raise HardwareError(f"{where}: pinned_memory_bytes ({self.pinned_memory_bytes}) exceeds "
                                 f"host_memory_bytes ({self.host_memory_bytes})")
@@ -127,12 +141,11 @@ class Hardware:
             except Exception as e:
                 raise HardwareError(f"{source}: {e}") from None
         for k in ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
-                  "cpu_optimizer_scale", "gpu_optimizer_bandwidth", "collective_bandwidth"):
-            if kw.get(k) is not None and not isinstance(kw[k], (int, float)):
-                raise HardwareError(f"{source}: field {k} must be a number (bytes/s), got {kw[k]!r}")
-        for k in ("h2d_latency_s", "d2h_latency_s", "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s"):
-            if k in kw and (isinstance(kw[k], bool) or not isinstance(kw[k], (int, float))):
-                raise HardwareError(f"{source}: field {k} must be a number, got {kw[k]!r}")
+                  "cpu_optimizer_scale", "gpu_optimizer_bandwidth", "h2d_latency_s", "d2h_latency_s",
+                  "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth"):
+            if kw.get(k) is not None and (isinstance(kw[k], bool) or not isinstance(kw[k], (int, float))):
+                unit = "seconds" if k.endswith("_s") else "a factor" if k.endswith("scale") else "bytes/s"
+                raise HardwareError(f"{source}: field {k} must be a number ({unit}), got {kw[k]!r}")
         if "copy_overlap" in kw and not isinstance(kw["copy_overlap"], bool):
             raise HardwareError(f"{source}: field copy_overlap must be true or false, got {kw['copy_overlap']!r}")
         if "gpus" in kw and (isinstance(kw["gpus"], bool) or not isinstance(kw["gpus"], int)):

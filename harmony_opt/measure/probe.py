@@ -2,67 +2,133 @@
 
 ::
 
-    hw = probe_hardware("cuda")       # pinned host<->GPU, GPU<->GPU, memory, optimizer speed
+    hw = probe_hardware("cuda")       # transfers, memory, optimizer, dispatch, overlap
     hw.save("hardware.toml")
 
-What is measured, and how:
+The terms that decide a step's time are measured through the executor's own code
+(:mod:`harmony_opt.runtime.executor`, :mod:`harmony_opt.runtime.optim`), so that a probed file
+predicts a run before any calibration:
 
-* host->GPU and GPU->host: copies between a pinned host buffer and a GPU buffer,
-  timed with CUDA events, ``repeats`` back-to-back copies per size (best of 3 runs);
-  the bandwidth is the best over ``sizes`` (small copies are latency-bound, so the best is the
-  sustained rate). With several GPUs, the same copy to every GPU at once gives the
-  total the shared host link carries (``link_bandwidth``), and a copy from GPU 0
-  to GPU 1 gives ``p2p_bandwidth``.
-* usable GPU memory: the smallest free memory over the GPUs at probe time, less 5%
-  for the allocator's fragmentation and kernel workspaces.
-* host memory from ``os.sysconf``; up to 3/4 of it may be pinned.
-* host memory copies (``host_copy_bandwidth``): a CPU tensor copy of the largest size
-  (smaller ones run from the CPU caches).
-* optimizer speed: an Adam step on the GPU gives ``gpu_optimizer_bandwidth`` (bytes of
-  W + dW + state per second). The CPU's Adam speed is reported in the description;
-  ``cpu_optimizer_scale`` stays 1 because a profile made on this machine already
-  holds this CPU's ``cpu_update_s``.
+* transfers (``h2d_bandwidth`` + ``h2d_latency_s``, ``d2h_bandwidth`` + ``d2h_latency_s``): an
+  :class:`~harmony_opt.runtime.executor.Executor` swaps a layer's weights in (its ``IW``
+  instruction: per parameter a new device tensor and a copy from the pinned master) and out
+  (``OW``: per parameter a copy into the host tensor, the path of dW and of activations too),
+  for layers of 1, 4 and 16 parameters of ``sizes`` bytes in all, timed by the executor's tracer
+  (CUDA events on the swap streams; on the CPU the handler's wall clock, where a "copy" is a new
+  CPU tensor and a memcpy: page faults included); a swap-out runs after a matmul, as it follows
+  compute in a program (:class:`_Compute`). Least squares per direction of time = c0 + bytes /
+  bandwidth + tensors x per tensor, on relative residuals so that a small copy counts as much as a
+  large one (:func:`fit_linear`, :func:`transfer_fit`); the latency is that of a one-tensor
+  transfer (c0 + one tensor's cost), as an activation swap, the most frequent one, is. A weight
+  swap moves each parameter separately, and costs (parameters - 1) x per tensor more than the
+  latency + bytes / bandwidth charged for it: on 2 CPU cores 5-8 us per tensor, 0.1-0.2 ms for a
+  GPT-2 pack of 24 parameters; the description gives the per-tensor cost, the worst point, and
+  the line fitted over all points without the tensor count (whose latency then holds part of the
+  weight swaps' per-tensor cost and overcharges every activation swap).
+* CPU optimizer (``cpu_optimizer_call_s``): the executor's update instruction on the cpu stream
+  (``PackOptimizers.step_host`` on the executor's worker thread) for packs of 1 to 8 layers of 4
+  parameters, 16 B to 2 MiB per layer, fitted as time = per call + per tensor x tensors + per
+  byte x bytes, with Adam (the profiler's default: the figure kept) and SGD with momentum 0.9 (in
+  the description; on 2 CPU cores SGD's call costs about 0.7 x Adam's, its tensors and bytes half).
+  The profiler's ``cpu_update_s`` of a layer is the same host step over the layer's parameters
+  less the step over one one-element parameter (the fixed cost of a call, measured once per
+  profile: :func:`harmony_opt.measure.profiler.cpu_call_time`), so that with
+  ``cpu_optimizer_call_s`` = the fitted step over one one-element parameter (per call + one
+  tensor)::
 
-Everything runs with ``threads`` intra-op threads (default: what the executor's one rank uses on
-this device, ``runtime.optim.host_threads``), said in the description: a host copy is itself
-multi-threaded (on a 2-core machine, 12.9 GB/s with two threads and 4.46 GB/s with one), so a
-figure means little without its thread count.
+      step of pack a..b  =  cpu_optimizer_call_s  +  sum of cpu_update_s[l] for l in a..b
 
-Without CUDA (``device="cpu"``) the probe still runs, so that it is testable anywhere:
-the "GPU" is the CPU, host<->device bandwidths are host memcpy bandwidths, the usable
-memory is half of the memory available now, and the description says so.
+  Summing per-layer steps that each held the call's cost would count it once per layer: for
+  GPT-2 blocks on a 2-core CPU 0.13-0.2 ms per layer against 0.2-0.3 ms of real work.
+* dispatch (``issue_overhead_s``): a forward, a recompute and a backward instruction of a tiny pack
+  (an 8x8 Linear and an MSE loss, a few hundred bytes) through the executor's dispatch
+  (``functional_call``, the device table, the saved-tensor hooks, ``autograd.grad``) less the same
+  layers run as the profiler runs them (forward; forward with autograd and backward), per
+  instruction; the wall clock, synchronized on a GPU, where it is the host's launch cost.
+* ``copy_overlap``: False on the CPU device, by construction: the executor runs every
+  instruction of a rank in program order on one thread (only the optimizer steps go to a worker
+  thread), so a swap never hides behind compute. On CUDA a host->GPU copy and a matmul are
+  timed alone and together on two streams: True when together < 0.8 x alone summed.
+* ``collective_bandwidth``: on the CPU device a Gloo all-reduce between two ranks on loopback,
+  one tensor per call as ``runtime.comm`` reduces dW: bytes / seconds at the largest size up to
+  16 MiB (two process groups in two threads of this process, set up in milliseconds where a
+  second process would take seconds to import torch). With two ranks the simulator's ring charge
+  2 (n - 1) / n x bytes is the bytes. On CUDA it is left None (the simulator then uses
+  ``p2p_bandwidth``): NCCL needs a process per GPU.
+* with several GPUs, the same copy to every GPU at once gives the total the shared host link
+  carries (``link_bandwidth``), and a copy from GPU 0 to GPU 1 ``p2p_bandwidth`` (best over sizes).
+* usable GPU memory: the smallest free memory over the GPUs at probe time, less 5% for the
+  allocator's fragmentation and kernel workspaces; host memory from ``os.sysconf``, up to 3/4 of
+  it pinnable; host memory copies (``host_copy_bandwidth``): a CPU tensor copy of the largest size.
+* an Adam step on the GPU gives ``gpu_optimizer_bandwidth`` (bytes of W + dW + state per second);
+  ``cpu_optimizer_scale`` and ``compute_scale`` stay 1: a profile made on this machine already
+  holds its times (``harmony-opt calibrate`` fits them against a traced run).
+
+Each timed figure is the fastest of ``repeats`` runs after a warm-up (the run least disturbed by
+other work). Everything runs with ``threads`` intra-op threads (default: what the executor's one
+rank uses on this device, ``runtime.optim.host_threads``), said in the description: a host copy
+is itself multi-threaded (on a 2-core machine, 12.9 GB/s with two threads and 4.46 GB/s with
+one), so a figure means little without its thread count.
+
+Without CUDA (``device="cpu"``) the probe still runs, so that it is testable anywhere: the
+"GPU" is the CPU, host<->device transfers are the executor's CPU swaps, the usable memory is half
+of the memory available now, and the description says so.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
+import threading
 import time
 
+import numpy as np
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from ..core.errors import UsageError
 from ..core.hardware import Hardware
-from ..core.units import GB, MiB
-from .profiler import device_name, resolve_device
+from ..core.kinds import Tensor
+from ..core.units import GB, KiB, MiB
+from .profiler import _call, device_name, resolve_device
 
-DEFAULT_SIZES = (4 * MiB, 32 * MiB, 256 * MiB)
+#: Transfer sizes on a GPU; on the CPU device the largest is left out (a swap of 256 MiB on the CPU
+#: spends a third of a second in page faults, and the probe would take a minute).
+DEFAULT_SIZES = (64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB)
+CPU_SIZES = DEFAULT_SIZES[:3]
 #: Share of free GPU memory the planner may use (the rest: fragmentation, workspaces).
 GPU_MEMORY_USABLE = 0.95
 #: Share of host memory that may be page-locked.
 PINNABLE = 0.75
-#: Parameters in the optimizer-throughput test (16 M floats = 64 MB of weights).
+#: Parameters in the GPU optimizer-throughput test (16 M floats = 64 MB of weights).
 _OPTIMIZER_PARAMS = 1 << 24
+#: Parameters per layer of the transfer test: an activation is one tensor, a GPT-2 block twelve.
+_TRANSFER_TENSORS = (1, 4, 16)
+#: The optimizer test: packs of these many layers, of _UPDATE_TENSORS parameters each, at these
+#: bytes per layer.
+_UPDATE_PACKS = (1, 2, 4, 8)
+_UPDATE_TENSORS = 4
+_UPDATE_LAYER_BYTES = (16, 16 * KiB, 256 * KiB, 2 * MiB)
+#: Largest all-reduce of the Gloo test.
+_COLLECTIVE_MAX = 16 * MiB
+#: copy_overlap: copy and compute overlap when together they take less than this share of the sum.
+OVERLAP_SHARE = 0.8
 
 
-def probe_hardware(device: str = "cuda", sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeats: int = 5,
+def probe_hardware(device: str = "cuda", sizes: tuple[int, ...] | None = None, *, repeats: int = 5,
                    threads: int | None = None) -> Hardware:
-    """Measure the machine (see the module docstring); ``device`` "cuda" or "cpu"; ``threads``: intra-op
+    """Measure the machine (see the module docstring); ``device`` "cuda" or "cpu"; ``sizes``: transfer
+    sizes in bytes (default DEFAULT_SIZES on a GPU, CPU_SIZES on the CPU); ``threads``: intra-op
     threads (default: the executor's)."""
     from harmony_opt.runtime.optim import host_threads, intra_op_threads
 
     dev = resolve_device(device)
-    sizes = tuple(int(s) for s in sizes)
+    sizes = tuple(sorted(int(s) for s in (sizes or (CPU_SIZES if dev.type == "cpu" else DEFAULT_SIZES))))
+    if not sizes or min(sizes) < 1 or isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UsageError(f"probe needs at least one size >= 1 byte and repeats >= 1, got sizes {sizes!r}, "
+                         f"repeats {repeats!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise UsageError(f"threads must be a whole number >= 1, got {threads!r}")
     threads = threads or host_threads(1, dev.type, torch.get_num_threads())
@@ -73,40 +139,462 @@ def probe_hardware(device: str = "cuda", sizes: tuple[int, ...] = DEFAULT_SIZES,
 def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int) -> Hardware:
     host_total = _host_memory()
     host_copy = _bandwidth(_cpu_copy, max(sizes), repeats)   # smaller copies stay in CPU caches
-    cpu_adam = _optimizer_bandwidth(torch.device("cpu"), _OPTIMIZER_PARAMS)   # smaller: thread wake-ups dominate
+    moves = measure_transfers(dev, sizes, repeats)
+    (h2d_lat, h2d), (d2h_lat, d2h) = (transfer_terms(moves[w]) for w in ("h2d", "d2h"))
+    steps = {name: measure_cpu_optimizer(name, repeats) for name in ("adam", "sgd")}
+    call = max(call_cost(steps["adam"]), 0.0)
+    issue = max(measure_issue_overhead(dev, repeats), 0.0)
     when = f"{datetime.date.today().isoformat()} with {threads} intra-op thread(s)"
+    terms = (f"{_describe_transfers(moves)}; {_describe_steps(steps)}; "
+             f"per compute instruction {issue * 1e6:.0f} us beyond the profiled kernels")
     if dev.type == "cpu":
+        collective = measure_collective(sizes, repeats)
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         name = device_name(dev)
+        gloo = ("Gloo all-reduce between 2 ranks on loopback: not measured" if collective is None else
+                f"Gloo all-reduce between 2 ranks on loopback {collective / GB:.2f} GB/s")
         return Hardware(
             name=f"probed-cpu-{_slug(name)}", gpus=1, gpu_memory_bytes=max(avail // 2, 1),
             host_memory_bytes=host_total, pinned_memory_bytes=int(host_total * PINNABLE),
-            h2d_bandwidth=host_copy, d2h_bandwidth=host_copy, shared_host_link=True, link_bandwidth=host_copy,
-            p2p_bandwidth=0.0, host_copy_bandwidth=host_copy, gpu_optimizer_bandwidth=cpu_adam,
-            description=(f"probed {when} on {name} WITHOUT a GPU: the device is the CPU, host<->device bandwidths "
-                         f"are host memcpy ({host_copy / GB:.1f} GB/s), usable memory is half the available memory; "
-                         f"CPU Adam {cpu_adam / GB:.2f} GB/s"))
+            h2d_bandwidth=h2d, d2h_bandwidth=d2h, shared_host_link=True, link_bandwidth=max(h2d, d2h),
+            p2p_bandwidth=0.0, host_copy_bandwidth=host_copy,
+            gpu_optimizer_bandwidth=_optimizer_bandwidth(dev, _OPTIMIZER_PARAMS),
+            copy_overlap=False, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, cpu_optimizer_call_s=call,
+            issue_overhead_s=issue, collective_bandwidth=collective,
+            description=(f"probed {when} on {name} WITHOUT a GPU: the device is the CPU, host<->device transfers "
+                         f"are the executor's CPU swaps (a new tensor and a memcpy per parameter), run in "
+                         f"program order on one thread (copy_overlap false), usable memory is half the "
+                         f"available memory; host memcpy {host_copy / GB:.1f} GB/s; {terms}; {gloo}"))
     gpus = torch.cuda.device_count()
     ids = list(range(gpus))
-    h2d = max(_bandwidth(lambda n: _h2d_copy(n, 0), s, repeats) for s in sizes)
-    d2h = max(_bandwidth(lambda n: _d2h_copy(n, 0), s, repeats) for s in sizes)
     link = max(_bandwidth(lambda n: _h2d_all(n, ids), s, repeats) for s in sizes) if gpus > 1 else h2d
     p2p = max(_bandwidth(lambda n: _p2p_copy(n, 0, 1), s, repeats) for s in sizes) if gpus > 1 else 0.0
+    overlap, together = measure_copy_overlap(dev, repeats)
     free = min(torch.cuda.mem_get_info(i)[0] for i in ids)
     name = device_name(dev)
     gpu_adam = _optimizer_bandwidth(dev, _OPTIMIZER_PARAMS)
     return Hardware(
         name=f"probed-{_slug(name)}-x{gpus}", gpus=gpus, gpu_memory_bytes=int(free * GPU_MEMORY_USABLE),
         host_memory_bytes=host_total, pinned_memory_bytes=int(host_total * PINNABLE),
-        h2d_bandwidth=h2d, d2h_bandwidth=d2h, shared_host_link=True, link_bandwidth=link,
+        h2d_bandwidth=h2d, d2h_bandwidth=d2h, shared_host_link=True, link_bandwidth=max(link, h2d),
         p2p_bandwidth=p2p, host_copy_bandwidth=host_copy, gpu_optimizer_bandwidth=gpu_adam,
-        description=(f"probed {when}: {gpus}x {name}; pinned host->GPU {h2d / GB:.1f} GB/s, GPU->host "
-                     f"{d2h / GB:.1f} GB/s, all GPUs at once {link / GB:.1f} GB/s, GPU<->GPU {p2p / GB:.1f} GB/s; "
-                     f"CPU Adam {cpu_adam / GB:.2f} GB/s"))
+        copy_overlap=overlap, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, cpu_optimizer_call_s=call,
+        issue_overhead_s=issue, collective_bandwidth=None,
+        description=(f"probed {when}: {gpus}x {name}; {terms}; all GPUs at once {link / GB:.1f} GB/s, GPU<->GPU "
+                     f"{p2p / GB:.1f} GB/s (all-reduce not measured: NCCL needs a process per GPU); a copy "
+                     f"beside a matmul on two streams takes {together:.2f} x the two alone "
+                     f"(copy_overlap {'true' if overlap else 'false'}); GPU Adam {gpu_adam / GB:.1f} GB/s"))
 
 
-# -- transfers: each takes a size and returns a function that runs the copy `repeats` times ------
-# and returns the seconds it took, so that the buffers are allocated outside the timing.
+# -- fits ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """``seconds = coef[0] + coef[1] * x[0] + coef[2] * x[1] + ...``, fitted to ``points`` ((x...), seconds)."""
+
+    coef: tuple[float, ...]
+    points: tuple[tuple[tuple[float, ...], float], ...]
+
+    def predict(self, *x: float) -> float:
+        return self.coef[0] + sum(c * v for c, v in zip(self.coef[1:], x))
+
+    @property
+    def worst(self) -> float:
+        """The largest relative error of the fit over its points."""
+        return max(abs(self.predict(*x) - t) / t for x, t in self.points)
+
+
+def fit_linear(xs, seconds) -> Fit:
+    """Least squares of ``seconds = c0 + c1 x1 + ...`` over relative residuals (each point weighted
+    by 1 / seconds, so that a copy of a few KB counts as much as one of a few hundred MB);
+    ``xs``: one number or one tuple of numbers per point."""
+    rows = [tuple(float(v) for v in (x if isinstance(x, (tuple, list)) else (x,))) for x in xs]
+    t = np.asarray([float(s) for s in seconds])
+    if len(rows) != len(t) or not rows or len({len(r) for r in rows}) != 1:
+        raise UsageError("fit_linear: give one row of the same length per time")
+    if len(rows) < len(rows[0]) + 1 or not (t > 0).all():
+        raise UsageError(f"fit_linear: needs at least {len(rows[0]) + 1} points with positive times, "
+                         f"got {len(rows)}")
+    a = np.column_stack([np.ones(len(rows)), np.asarray(rows)])
+    coef, *_ = np.linalg.lstsq(a / t[:, None], np.ones(len(t)), rcond=None)
+    return Fit(tuple(float(c) for c in coef), tuple(zip(rows, t.tolist())))
+
+
+def latency_bandwidth(fit: Fit) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) as a Hardware holds them, from a fit of seconds over bytes, or over
+    (bytes, tensors): then the latency is that of a one-tensor transfer. The latency is no lower than 0,
+    and where noise made the slope flat or negative, the bandwidth is the best bytes / seconds of the
+    fit's points."""
+    latency = fit.coef[0] + (fit.coef[2] if len(fit.coef) > 2 else 0.0)
+    per_byte = fit.coef[1]
+    if not per_byte > 0:
+        return max(latency, 0.0), max(x[0] / t for x, t in fit.points)
+    return max(latency, 0.0), 1.0 / per_byte
+
+
+def transfer_fit(points: list) -> Fit:
+    """seconds = c0 + bytes / bandwidth + tensors x per tensor fitted to ``[((bytes, tensors), seconds), ...]``
+    (over bytes alone where every point has the same tensor count)."""
+    if len({x[1] for x, _ in points}) < 2:
+        return fit_linear([x[0] for x, _ in points], [t for _, t in points])
+    return fit_linear([x for x, _ in points], [t for _, t in points])
+
+
+def transfer_terms(points: list) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of a direction's ``[((bytes, tensors), seconds), ...]``; with a single
+    size latency and bandwidth cannot be told apart: no latency, and the best bytes / seconds."""
+    if len({x[0] for x, _ in points}) < 2:
+        return 0.0, max(x[0] / t for x, t in points)
+    return latency_bandwidth(transfer_fit(points))
+
+
+def call_cost(fit: Fit) -> float:
+    """The fitted optimizer step over one one-element parameter: per call + one tensor (+ 4 bytes)."""
+    return fit.predict(4.0, 1.0)
+
+
+# -- the executor's code paths ------------------------------------------------------------------------
+
+class _Weights(nn.Module):
+    """A layer of ``count`` parameters of ``numel`` floats: what a swap of its weights moves."""
+
+    def __init__(self, count: int, numel: int):
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.full((numel,), 1e-2)) for _ in range(count))
+
+    def forward(self, x):
+        return x
+
+
+class _MSE(nn.Module):
+    """The loss layer of the dispatch test."""
+
+    def forward(self, y, target):
+        return F.mse_loss(y, target)
+
+
+def _ins(i: int, kind, layers: tuple[int, int], stream, tensor=None, u: int | None = None, waits=()):
+    from harmony_opt.compile.program import Instr
+
+    rows = {} if u is None else {"mb": 0, "offset": 0, "size": u}
+    return Instr(id=i, kind=kind, layers=layers, stream=stream, tensor=tensor, waits_on=tuple(waits), **rows)
+
+
+def _executor(layers: list[nn.Module], instrs: list, dev: torch.device, packs=(), factory=None, batch: int = 1,
+              trace: bool = True):
+    """An :class:`Executor` of one rank running ``instrs`` over ``layers`` (traced); the caller runs
+    instructions one at a time through ``Executor._execute`` (the dispatch of every training
+    iteration) and closes it."""
+    from harmony_opt.compile.program import Program
+    from harmony_opt.runtime.executor import Executor
+    from harmony_opt.runtime.optim import PackOptimizers, make_factory
+
+    program = Program(ranks=(tuple(instrs),), num_layers=len(layers), mode="probe", batch=batch,
+                      samples=(batch,), sample_offsets=(0,))
+    optim = PackOptimizers(layers, list(packs), factory or make_factory("sgd", 1e-3))
+    return Executor(program, 0, layers, optim, [((1,), torch.float32)] * len(layers), device=dev, trace=trace)
+
+
+class _Compute:
+    """A host matmul, run untimed before a swap-out: in a program a swap-out follows the compute that made
+    its tensor, which has evicted the caches the instructions before it warmed (a swap-in mostly follows
+    other transfers: the next inputs are prefetched back to back). On the CPU, the executor's swap-out of
+    16 KB timed right after the swap-in takes 30 us, after the matmul 55-80 us, and in a traced run of
+    gpt2-tiny 65-90 us; its swap-ins there take 40-65 us, as right after another transfer."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.a, self.b = torch.randn(64, 512, generator=gen), torch.randn(512, 512, generator=gen)
+
+    def __call__(self) -> None:
+        torch.mm(self.a, self.b)
+
+
+def _traced(ex, ids: list[int], dev: torch.device, before: dict | None = None) -> dict[int, float]:
+    """Run instructions ``ids`` of the executor in order (``before[i]()`` untimed before instruction ``i``);
+    seconds of each as the executor's tracer records them."""
+    ex.tracer.begin()
+    for i in ids:
+        ins = ex.instrs[i]
+        if before and i in before:
+            before[i]()
+        ex._execute(i, ins)
+        if ins.id in ex._pending:     # a CPU update: it steps on the worker thread
+            ex._wait(ins.id)
+    ex.streams.finish(dev)
+    ex.tracer.finish()
+    rows = ex.tracer.result()["events"]
+    by_name = {str(ex.instrs[i]): ex.instrs[i].id for i in ids}
+    return {by_name[r[3]]: r[7] - r[6] for r in rows if r[3] in by_name}
+
+
+def measure_transfers(dev: str | torch.device, sizes: tuple[int, ...], repeats: int = 5,
+                      counts: tuple[int, ...] = _TRANSFER_TENSORS) -> dict[str, list]:
+    """Seconds of the executor's weight swap-in (``h2d``) and swap-out (``d2h``) of a layer of ``count``
+    parameters of ``size`` bytes in all, for each size and count: ``{direction: [((bytes, count),
+    seconds), ...]}``, the fastest of ``repeats`` runs after a warm-up."""
+    from harmony_opt.compile.program import Kind, Stream
+    from harmony_opt.runtime.buffers import can_pin
+
+    dev = torch.device(dev)
+    rigs = []
+    try:
+        for size in sizes:
+            for count in counts:
+                numel = max(1, size // (4 * count))
+                layer = _Weights(count, numel)
+                if can_pin():     # as training.py pins the master weights
+                    for p in layer.parameters():
+                        p.data = p.data.pin_memory()
+                instrs = [_ins(0, Kind.SWAP_IN, (0, 0), Stream.SWAP_IN, Tensor.W),
+                          _ins(1, Kind.SWAP_OUT, (0, 0), Stream.SWAP_OUT, Tensor.W, waits=(0,)),
+                          _ins(2, Kind.FREE, (0, 0), Stream.COMPUTE, Tensor.W, waits=(1,))]
+                rigs.append(((4 * numel * count, count), _executor([layer], instrs, dev)))
+        before = {1: _Compute()}
+        runs = _interleaved([lambda ex=ex: _traced(ex, [0, 1, 2], dev, before) for _, ex in rigs], repeats)
+    finally:
+        for _, ex in rigs:
+            ex.close()
+    return {way: [(x, min(r[i] for r in rs)) for (x, _), rs in zip(rigs, runs)] for i, way in enumerate(("h2d", "d2h"))}
+
+
+def _interleaved(fns: list, repeats: int) -> list[list]:
+    """``repeats`` results of each function after one warm-up call, the functions taken in turn, so that a
+    spell of other work on the machine slows one run of each rather than every run of one."""
+    out = [[] for _ in fns]
+    for k in range(repeats + 1):
+        for i, fn in enumerate(fns):
+            r = fn()
+            if k:
+                out[i].append(r)
+    return out
+
+
+def measure_cpu_optimizer(optimizer: str = "adam", repeats: int = 5, packs: tuple[int, ...] = _UPDATE_PACKS,
+                          layer_bytes: tuple[int, ...] = _UPDATE_LAYER_BYTES) -> Fit:
+    """The executor's CPU update of a pack (``PackOptimizers.step_host`` on its worker thread) for packs of
+    ``packs`` layers of ``_UPDATE_TENSORS`` parameters and ``layer_bytes`` bytes each, fitted as
+    seconds = per call + per byte x bytes + per tensor x tensors (x = (bytes, tensors));
+    ``optimizer`` "adam" or "sgd" (momentum 0.9, as the profiler builds it)."""
+    from harmony_opt.compile.program import Kind, Stream
+    from harmony_opt.runtime.optim import make_factory
+
+    if optimizer not in ("adam", "sgd"):
+        raise UsageError(f"optimizer must be adam or sgd, got {optimizer!r}")
+    factory = make_factory("adam", 1e-4) if optimizer == "adam" else make_factory("sgd", 1e-3, momentum=0.9)
+    ranges, first = [], 0
+    for n in packs:
+        ranges.append((first, first + n - 1))
+        first += n
+    instrs = [_ins(i, Kind.UPD, r, Stream.CPU) for i, r in enumerate(ranges)]
+    cpu, rigs = torch.device("cpu"), []
+    try:
+        for per_layer in layer_bytes:
+            numel = max(1, per_layer // (4 * _UPDATE_TENSORS))
+            ex = _executor([_Weights(_UPDATE_TENSORS, numel) for _ in range(first)], instrs, cpu, ranges, factory)
+            for g in ex.optim.grads.values():
+                g.fill_(1e-3)
+            rigs.append((numel, ex))
+        runs = _interleaved([lambda ex=ex: _traced(ex, list(range(len(instrs))), cpu) for _, ex in rigs], repeats)
+    finally:
+        for _, ex in rigs:
+            ex.close()
+    xs, ts = [], []
+    for (numel, _), rs in zip(rigs, runs):
+        for i, n in enumerate(packs):
+            xs.append((4.0 * numel * _UPDATE_TENSORS * n, float(_UPDATE_TENSORS * n)))
+            ts.append(min(r[i] for r in rs))
+    return fit_linear(xs, ts)
+
+
+def measure_issue_overhead(dev: str | torch.device, repeats: int = 5, width: int = 8, u: int = 1) -> float:
+    """Seconds per compute instruction that the executor spends beyond the profiled kernels: a forward,
+    a recompute and a backward of a pack of a ``width`` x ``width`` Linear and an MSE loss on ``u``
+    samples through ``Executor._execute``, less the same layers timed as the profiler times them,
+    divided by the three instructions."""
+    from harmony_opt.compile.program import Kind, Stream
+
+    dev = torch.device(dev)
+    with torch.random.fork_rng(devices=[]):     # the caller's random state is left as it was
+        torch.manual_seed(0)
+        layers = [nn.Linear(width, width), _MSE()]
+        x, target = torch.randn(u, width), torch.randn(u, width)
+    C, I = Stream.COMPUTE, Stream.SWAP_IN
+    instrs = [_ins(0, Kind.SWAP_IN, (0, 0), I, Tensor.X, u), _ins(1, Kind.SWAP_IN, (1, 1), I, Tensor.T, u),
+              _ins(2, Kind.SWAP_IN, (0, 1), I, Tensor.W), _ins(3, Kind.SWAP_IN, (0, 1), I, Tensor.B),
+              _ins(4, Kind.FWD, (0, 0), C, None, u, waits=(0, 2, 3)), _ins(5, Kind.FREE, (1, 1), C, Tensor.X, u),
+              _ins(6, Kind.REC, (0, 1), C, None, u, waits=(1,)), _ins(7, Kind.BWD, (0, 1), C, None, u),
+              _ins(8, Kind.FREE, (0, 1), C, Tensor.SA, u), _ins(9, Kind.FREE, (0, 1), C, Tensor.DW),
+              _ins(10, Kind.FREE, (0, 1), C, Tensor.W), _ins(11, Kind.FREE, (0, 1), C, Tensor.B),
+              _ins(12, Kind.FREE, (0, 0), C, Tensor.X, u), _ins(13, Kind.FREE, (1, 1), C, Tensor.T, u)]
+    ex = _executor(layers, instrs, dev, batch=u, trace=False)
+    ex.host.stage(("data",), x)
+    ex.host.stage(("T",), target)
+    ex._loss = torch.zeros((), dtype=torch.float64, device=dev)
+    try:
+        for i in range(4):
+            ex._execute(i, instrs[i])
+        timed = {4: [], 6: [], 7: []}
+        for _ in range(repeats + 1):
+            for i in range(4, 10):
+                _sync(dev)
+                t0 = time.perf_counter()
+                ex._execute(i, instrs[i])
+                _sync(dev)
+                if i in timed:
+                    timed[i].append(time.perf_counter() - t0)
+        for i in range(10, 14):
+            ex._execute(i, instrs[i])
+    finally:
+        ex.close()
+    executor = sum(min(v[1:]) for v in timed.values())
+    return (executor - _bare_kernels(layers, x, target, dev, repeats)) / 3
+
+
+def _bare_kernels(layers: list[nn.Module], x: torch.Tensor, target: torch.Tensor, dev: torch.device,
+                  repeats: int) -> float:
+    """Forward of the first layer plus the backward (forward with autograd, then backward) of both, run
+    as the profiler runs a layer alone; the fastest of ``repeats`` runs each."""
+    layers = [layer.to(dev) for layer in layers]
+    x, target = x.to(dev), target.to(dev)
+    with torch.no_grad():
+        y = layers[0](x)
+
+    def fwd():
+        with torch.no_grad():
+            return _call(layers[0], x, None)
+
+    def bwd(layer, inp, tgt):
+        def run():
+            xi = inp.detach().requires_grad_(inp.is_floating_point())
+            out = _call(layer, xi, tgt)
+            out.backward(None if tgt is not None else torch.ones_like(out))
+        return run
+
+    return sum(_fastest(fn, dev, repeats) for fn in (fwd, bwd(layers[0], x, None), bwd(layers[1], y, target)))
+
+
+def _fastest(fn, dev: torch.device, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_copy_overlap(dev: torch.device, repeats: int = 5, nbytes: int = 64 * MiB) -> tuple[bool, float]:
+    """On CUDA: a pinned host->GPU copy of ``nbytes`` and matmuls of about the same time, alone and
+    together on two streams; (together < OVERLAP_SHARE x alone summed, together / alone summed)."""
+    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    a = torch.randn(2048, 2048, device=dev)
+    s_copy, s_mm = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def copy():
+        with torch.cuda.stream(s_copy):
+            dst.copy_(host, non_blocking=True)
+
+    def matmuls(k):
+        def run():
+            with torch.cuda.stream(s_mm):
+                for _ in range(k):
+                    torch.mm(a, a)
+        return run
+
+    t_copy, t_mm = _fastest(copy, dev, repeats), _fastest(matmuls(1), dev, repeats)
+    mm = matmuls(max(1, round(t_copy / max(t_mm, 1e-9))))
+    alone = t_copy + _fastest(mm, dev, repeats)
+    together = _fastest(lambda: (copy(), mm()), dev, repeats)
+    return together < OVERLAP_SHARE * alone, together / alone
+
+
+def measure_collective(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: float = 2.0) -> float | None:
+    """Bytes / seconds of a Gloo all-reduce of one float tensor between two ranks on loopback, at the largest
+    of ``sizes`` up to 16 MiB; None where Gloo is missing or takes over ``setup_limit_s`` to set up."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    if not dist.is_available() or not hasattr(dist, "ProcessGroupGloo"):
+        return None
+    nbytes = max(4, min(max(sizes), _COLLECTIVE_MAX))
+    store, groups, times = dist.HashStore(), [None, None], [float("inf"), float("inf")]
+    t0 = time.perf_counter()
+
+    def make(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=setup_limit_s + 10))
+
+    if not _both(make, setup_limit_s + 10) or time.perf_counter() - t0 > setup_limit_s:
+        return None
+    buffers = [torch.ones(nbytes // 4) for _ in range(2)]
+
+    def run(rank):
+        groups[rank].allreduce([buffers[rank]]).wait()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            groups[rank].allreduce([buffers[rank]]).wait()
+            times[rank] = min(times[rank], time.perf_counter() - start)
+
+    if not _both(run, 60):
+        return None
+    return (nbytes // 4) * 4 / max(times)
+
+
+def _both(fn, timeout: float) -> bool:
+    """Run ``fn(0)`` and ``fn(1)`` on two threads; whether both finished within ``timeout`` seconds
+    without an error."""
+    errors = []
+
+    def guarded(rank):
+        try:
+            fn(rank)
+        except Exception as e:     # a Gloo that cannot bind loopback: the figure is left out
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return not errors and not any(t.is_alive() for t in threads)
+
+
+# -- the description ---------------------------------------------------------------------------------
+
+def _describe_transfers(moves: dict[str, list]) -> str:
+    parts = []
+    for way, label in (("h2d", "host->device"), ("d2h", "device->host")):
+        if len({x[0] for x, _ in moves[way]}) < 2:
+            parts.append(f"{label} bytes / {transfer_terms(moves[way])[1] / GB:.2f} GB/s (one size: no latency)")
+            continue
+        fit = transfer_fit(moves[way])
+        lat, bw = latency_bandwidth(fit)
+        line = fit_linear([x[0] for x, _ in moves[way]], [t for _, t in moves[way]])
+        more = f" + {fit.coef[2] * 1e6:.1f} us per further tensor" if len(fit.coef) > 2 else ""
+        parts.append(f"{label} {lat * 1e6:.0f} us + bytes / {bw / GB:.2f} GB/s{more} (worst point {fit.worst:.0%} "
+                     f"off; a line over all points without the tensor count: {max(line.coef[0], 0) * 1e6:.0f} us + "
+                     f"bytes / {1 / line.coef[1] / GB if line.coef[1] > 0 else float('inf'):.2f} GB/s)")
+    return "executor swaps " + ", ".join(parts)
+
+
+def _describe_steps(steps: dict[str, Fit]) -> str:
+    def one(name, f):
+        bw = 1 / f.coef[1] if f.coef[1] > 0 else float("inf")
+        return (f"{name} {call_cost(f) * 1e6:.0f} us per call of one tensor + {f.coef[2] * 1e6:.1f} us per further "
+                f"tensor + bytes of W / "
+                f"{bw / GB:.2f} GB/s (worst point {f.worst:.0%} off)")
+    text = "CPU optimizer per pack (cpu_optimizer_call_s is Adam's) " + ", ".join(one(n, f) for n, f in steps.items())
+    if {"adam", "sgd"} <= set(steps):
+        text += f" (SGD's call {call_cost(steps['sgd']) / call_cost(steps['adam']):.2f} x Adam's)"
+    return text
+
+
+# -- bandwidths of plain copies: each takes a size and returns a function that runs the copy `repeats`
+# times and returns the seconds it took, so that the buffers are allocated outside the timing.
+
 
 def _bandwidth(make_copy, nbytes: int, repeats: int, trials: int = 3) -> float:
     """Bytes per second of ``repeats`` back-to-back copies of ``nbytes``, the best of ``trials``
@@ -158,16 +646,6 @@ def _events_timed(dst: torch.Tensor, src: torch.Tensor, device: int):
             return start.elapsed_time(end) / 1e3
 
     return run
-
-
-def _h2d_copy(n: int, gpu: int):
-    host = torch.ones(n, dtype=torch.uint8).pin_memory()
-    return _events_timed(torch.empty(n, dtype=torch.uint8, device=gpu), host, gpu), n
-
-
-def _d2h_copy(n: int, gpu: int):
-    host = torch.empty(n, dtype=torch.uint8).pin_memory()
-    return _events_timed(host, torch.ones(n, dtype=torch.uint8, device=gpu), gpu), n
 
 
 def _h2d_all(n: int, gpus: list[int]):

@@ -29,8 +29,14 @@ one layer at a time is moved to the GPU and back). Per layer and size it records
 * per layer: parameter and buffer bytes, optimizer state (Adam 2 x params, SGD with
   momentum 1 x), exact; how many tensors each is in (``param_tensors``,
   ``buffer_tensors``, ``optimizer_state_tensors``), from which a plan for a GPU charges
-  the allocator's rounding (``Profile.alloc_granularity``); and ``cpu_update_s``: one
-  ``torch.optim`` step of the layer's parameters on the CPU, where Harmony runs the optimizer.
+  the allocator's rounding (``Profile.alloc_granularity``); and ``cpu_update_s``: the
+  executor's ``torch.optim`` step of the layer's parameters on the CPU (``PackOptimizers.step_host``), where Harmony runs the optimizer,
+  less the fixed cost of a step call (:func:`cpu_call_time`, measured once,
+  ``meta["cpu_update_call_s"]``). The executor makes one step call per pack, not per layer,
+  so a pack's step is that call's cost (``Hardware.cpu_optimizer_call_s``, from
+  ``harmony-opt probe``) plus its layers' ``cpu_update_s``; with the call in every layer's
+  figure a pack of GPT-2 blocks on a 2-core CPU would be charged 0.13-0.2 ms per layer too
+  much, against 0.2-0.3 ms of real work.
 
 Everything runs with ``threads`` intra-op threads (default: what the executor's one rank
 uses on this device, ``runtime.optim.host_threads``), recorded as ``meta["threads"]``: on
@@ -54,6 +60,7 @@ import dataclasses
 import logging
 import os
 import platform
+import time
 
 import pandas as pd
 import torch
@@ -116,10 +123,12 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
     threads = threads or host_threads(1, dev.type, torch.get_num_threads())   # as the executor's one rank runs
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with intra_op_threads(threads):
+        call = cpu_call_time(optimizer, max(timing["repeats"], 5))
         layers, micro, signatures, skipped, remeasured, target = _profile_layers(
-            model, sizes, dev, optimizer, timing, threads, remeasure, progress, seed)
+            model, sizes, dev, optimizer, timing, threads, remeasure, progress, seed, call)
     meta = _meta(model, dev, optimizer, timing, skipped, threads, target)
-    meta.update(layer_signatures=signatures, load_average=load, cores=usable_cores(), remeasured=remeasured)
+    meta.update(layer_signatures=signatures, load_average=load, cores=usable_cores(), remeasured=remeasured,
+                cpu_update_call_s=call)
     prof = Profile(model.name, layers, micro, meta)
     prof.meta["warnings"] = [f.text for f in profile_flags(prof)]
     for line in prof.meta["warnings"]:
@@ -128,7 +137,7 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
 
 
 def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, optimizer: str, timing: dict,
-                    threads: int, remeasure: bool, progress: bool, seed: int):
+                    threads: int, remeasure: bool, progress: bool, seed: int, call: float = 0.0):
     """The two tables, the layers' signatures, the sizes skipped, the [layer, size] measured twice and the
     targets' bytes per sample."""
     gen = torch.Generator().manual_seed(seed)
@@ -146,7 +155,7 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
         for l, layer in enumerate(model.layers):
             bar.set_description_str(f"profiling layer {l + 1} of {R}")
             log.debug("profiling layer %d of %d", l + 1, R)
-            static_rows.append(_static_row(l, layer, optimizer, timing, threads))
+            static_rows.append(_static_row(l, layer, optimizer, timing, threads, call))
             signatures.append(layer_signature(layer, acts[sizes[0]]))
             with _moved_to(layer, dev) as base:
                 for u in list(sizes):
@@ -384,12 +393,15 @@ def _device_of(layer: nn.Module) -> torch.device:
 
 # -- per-layer (size-independent) quantities ---------------------------------------------------
 
-def _static_row(l: int, layer: nn.Module, optimizer: str, timing: dict, threads: int | None = None) -> dict:
+def _static_row(l: int, layer: nn.Module, optimizer: str, timing: dict, threads: int | None = None,
+                call: float = 0.0) -> dict:
+    """The layer's sizes, and its optimizer step less ``call``, the fixed cost of a step call (charged once
+    per pack through ``Hardware.cpu_optimizer_call_s``)."""
     trainable = [p for p in layer.parameters() if p.requires_grad]
+    step = cpu_update_time(trainable, optimizer, timing["repeats"], threads, max_repeats=timing["max_repeats"])
     return {"layer": l, "param_bytes": _param_bytes(layer), "buffer_bytes": _buffer_bytes(layer),
             "optimizer_state_bytes": OPTIMIZER_STATE_FACTOR[optimizer] * sum(tensor_bytes(p) for p in trainable),
-            "cpu_update_s": cpu_update_time(trainable, optimizer, timing["repeats"], threads,
-                                            max_repeats=timing["max_repeats"]),
+            "cpu_update_s": max(step - call, 0.0) if trainable else 0.0,
             # how many tensors those bytes are in: what a rounding allocator's padding is counted from
             "param_tensors": len(list(layer.parameters())), "buffer_tensors": len(list(layer.buffers())),
             "optimizer_state_tensors": OPTIMIZER_STATE_FACTOR[optimizer] * len(trainable)}
@@ -400,21 +412,54 @@ def cpu_update_time(params: list[torch.Tensor], optimizer: str, repeats: int = 5
     """Seconds of one optimizer step over copies of ``params`` on the CPU (0 without params): the median
     of ``repeats`` to ``max_repeats`` steps, as :func:`~harmony_opt.measure.timing.time_runs` takes it.
 
-    The first step (which allocates the optimizer state) is not timed. Adam for
-    "adam", SGD with momentum 0.9 for "sgd", built as the runtime builds them
-    (``runtime.optim.make_factory``: fused where torch has it), with ``threads``
+    The step is the executor's (``PackOptimizers.step_host``: the gradients set from the host
+    buffers, ``opt.step()``, the gradients dropped); the first one (which allocates the optimizer
+    state) is not timed. Adam for "adam", SGD with momentum 0.9 for "sgd", built as the runtime
+    builds them (``runtime.optim.make_factory``: fused where torch has it), with ``threads``
     intra-op threads (default: as set).
     """
-    from harmony_opt.runtime.optim import intra_op_threads, make_factory
+    from harmony_opt.runtime.optim import intra_op_threads
 
     if not params:
         return 0.0
-    copies = [p.detach().to("cpu", copy=True).requires_grad_() for p in params]
-    for c in copies:
-        c.grad = torch.full_like(c, 1e-3)
-    opt = (make_factory("adam", 1e-4) if optimizer == "adam" else make_factory("sgd", 1e-3, momentum=0.9))(copies)
+    step = _host_step([p.detach().to("cpu", copy=True) for p in params], optimizer)
     with intra_op_threads(threads):
-        return time_runs(opt.step, "cpu", repeats=repeats, max_repeats=max_repeats, warmup=1).seconds
+        return time_runs(step, "cpu", repeats=repeats, max_repeats=max_repeats, warmup=1).seconds
+
+
+def cpu_call_time(optimizer: str, repeats: int = 5, threads: int | None = None) -> float:
+    """Seconds of the fixed cost of one optimizer step call on the CPU: the fastest of ``repeats`` steps
+    over one one-element parameter, made as :func:`cpu_update_time` makes its step. The fastest, not
+    the median: a layer's step (a median, so never below its own fastest run) always does more work
+    than this one, so it stays above it once the call is taken off."""
+    from harmony_opt.runtime.optim import intra_op_threads
+
+    step = _host_step([torch.zeros(1)], optimizer)
+    with intra_op_threads(threads):
+        step()
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class _Holder(nn.Module):
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.p = nn.ParameterList(nn.Parameter(t) for t in tensors)
+
+
+def _host_step(tensors: list[torch.Tensor], optimizer: str):
+    """The executor's host step of a one-layer pack over ``tensors`` (stepped in place), gradients 1e-3."""
+    from harmony_opt.runtime.optim import PackOptimizers, make_factory
+
+    factory = make_factory("adam", 1e-4) if optimizer == "adam" else make_factory("sgd", 1e-3, momentum=0.9)
+    optim = PackOptimizers([_Holder(tensors)], [(0, 0)], factory)
+    for g in optim.grads.values():
+        g.fill_(1e-3)
+    return lambda: optim.step_host((0, 0))
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -453,7 +498,8 @@ def _meta(model: LayeredModel, dev: torch.device, optimizer: str, timing: dict,
         "sequence_length": model.meta.get("sequence_length"),
         "optimizer": optimizer,
         "target_bytes_per_sample": target_bytes,
-        "cpu_update": f"{'fused' if fused_on_cpu() else 'per-parameter'} torch.optim step, {threads} threads",
+        "cpu_update": f"{'fused' if fused_on_cpu() else 'per-parameter'} torch.optim step, {threads} threads, "
+                      f"less the fixed cost of a step call (cpu_update_call_s)",
         "timing": "wall clock (time.perf_counter)" if cpu else "CUDA events",
         "peak_memory": ("analytic estimate: FWD = params + buffers + input + output; "
                         "BWD = FWD + grads + saved + input grad"

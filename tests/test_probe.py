@@ -1,0 +1,136 @@
+"""The probe's terms: the fits, and each measurement through the executor's code on the CPU (GPU variants in
+test_profiler.py)."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from harmony_opt.core.errors import HardwareError, UsageError
+from harmony_opt.core.hardware import Hardware
+from harmony_opt.core.units import KiB
+from harmony_opt.measure.probe import (
+    call_cost, fit_linear, latency_bandwidth, measure_collective, measure_cpu_optimizer, measure_issue_overhead,
+    measure_transfers, probe_hardware, transfer_fit)
+
+# one intra-op thread for every test here (conftest.one_thread): no spin-waiting collapse on a busy machine
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _median_error(fit) -> float:
+    return statistics.median(abs(fit.predict(*x) - t) / t for x, t in fit.points)
+
+
+def test_fit_recovers_a_known_latency_and_bandwidth():
+    latency, bandwidth = 37e-6, 6.5e9
+    sizes = [4 * KiB, 64 * KiB, 1 << 20, 16 << 20, 256 << 20]
+    fit = fit_linear(sizes, [latency + n / bandwidth for n in sizes])
+    got = latency_bandwidth(fit)
+    assert got[0] == pytest.approx(latency, rel=1e-9) and got[1] == pytest.approx(bandwidth, rel=1e-9)
+    assert fit.worst < 1e-9
+    # with the tensor count as a second term: the latency is a one-tensor transfer's
+    xs = [(n, k) for n in sizes for k in (1, 4, 16)]
+    fit = transfer_fit([(x, 2e-4 + x[0] / 3e9 + 9e-6 * x[1]) for x in xs])
+    assert fit.coef == pytest.approx((2e-4, 1 / 3e9, 9e-6), rel=1e-9)
+    assert latency_bandwidth(fit) == pytest.approx((2e-4 + 9e-6, 3e9), rel=1e-9)
+    assert call_cost(fit) == pytest.approx(2e-4 + 4 / 3e9 + 9e-6, rel=1e-9)
+    # one tensor count only: a line over bytes
+    assert len(transfer_fit([((n, 1), latency + n / bandwidth) for n in sizes]).coef) == 2
+
+
+def test_latency_and_bandwidth_stay_valid_on_noisy_points():
+    # a negative intercept is no latency; a flat line falls back to the best rate of its points
+    assert latency_bandwidth(fit_linear([1e3, 1e6], [1e-8, 1e-4]))[0] == 0.0
+    lat, bw = latency_bandwidth(fit_linear([1e3, 1e6], [2e-3, 1e-3]))
+    assert lat >= 0 and bw == pytest.approx(1e6 / 1e-3)
+
+
+@pytest.mark.parametrize("xs, ts", [([1.0], [1.0]), ([1.0, 2.0], [1.0, 0.0]), ([1.0, 2.0], [1.0])])
+def test_fit_refuses_too_few_or_bad_points(xs, ts):
+    with pytest.raises(UsageError, match="fit_linear"):
+        fit_linear(xs, ts)
+
+
+def test_transfers_follow_a_line():
+    moves = measure_transfers("cpu", (16 * KiB, 256 * KiB, 2 << 20), repeats=3, counts=(1, 4))
+    for way in ("h2d", "d2h"):
+        assert [x for x, _ in moves[way]] == [(n, k) for n in (16 * KiB, 256 * KiB, 2 << 20) for k in (1, 4)]
+        assert all(t > 0 for _, t in moves[way])
+        fit = transfer_fit(moves[way])
+        lat, bw = latency_bandwidth(fit)
+        assert lat >= 0 and bw > 0
+        assert _median_error(fit) < 0.5, (way, moves[way])
+
+
+def test_cpu_optimizer_has_a_cost_per_call():
+    """A step of a pack of one small layer costs far more than its bytes: the fixed cost of the call."""
+    fit = measure_cpu_optimizer("sgd", repeats=3, packs=(1, 2, 4), layer_bytes=(4 * KiB, 256 * KiB))
+    assert len(fit.points) == 6 and call_cost(fit) > 0
+    assert _median_error(fit) < 0.5, fit.points
+    smallest = min(t for _, t in fit.points)
+    assert call_cost(fit) > 0.2 * smallest
+    with pytest.raises(UsageError, match="adam or sgd"):
+        measure_cpu_optimizer("lamb")
+
+
+def test_issue_overhead_and_collective_are_sane():
+    assert 0 <= measure_issue_overhead("cpu", repeats=3) < 0.05
+    bw = measure_collective((1 << 20,), repeats=2)
+    assert bw is None or bw > 1e6
+
+
+def test_probed_cpu_hardware_has_the_new_terms(tmp_path):
+    hw = probe_hardware("cpu", sizes=(16 * KiB, 256 * KiB), repeats=2)
+    assert hw.copy_overlap is False
+    assert hw.h2d_latency_s >= 0 and hw.d2h_latency_s >= 0 and hw.issue_overhead_s >= 0
+    assert hw.cpu_optimizer_call_s > 0
+    assert hw.compute_scale == 1.0 and hw.cpu_optimizer_scale == 1.0
+    assert hw.collective_bandwidth is None or hw.collective_bandwidth > 0
+    assert "per call" in hw.description and "us + bytes /" in hw.description
+    assert Hardware.load(hw.save(tmp_path / "hw.toml")) == hw
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("h2d_latency_s", -1e-6, "h2d_latency_s must be >= 0"),
+    ("cpu_optimizer_call_s", "fast", "cpu_optimizer_call_s must be a number"),
+    ("copy_overlap", "yes", "copy_overlap must be true or false"),
+    ("collective_bandwidth", 0, "collective_bandwidth must be positive"),
+    ("compute_scale", 0.0, "compute_scale must be positive"),
+])
+def test_hardware_refuses_bad_terms(field, value, message):
+    d = dict(name="x", gpus=1, gpu_memory_bytes=1 << 30, host_memory_bytes=1 << 32, pinned_memory_bytes=1 << 31,
+             h2d_bandwidth=1e10, d2h_bandwidth=1e10)
+    assert Hardware.from_dict(d).copy_overlap is True
+    with pytest.raises(HardwareError, match=message):
+        Hardware.from_dict({**d, field: value})
+
+
+def test_a_pack_step_is_one_call_plus_its_layers_net_steps():
+    """The profiler's cpu_update_s leaves out the fixed cost of a step call, so that a pack's step (one call
+    for all its layers, as the executor makes it) is one call plus the layers' figures; the layers'
+    whole steps summed count the call once per layer."""
+    import time
+
+    import torch
+
+    from harmony_opt.measure.probe import _Weights
+    from harmony_opt.measure.profiler import cpu_call_time, cpu_update_time
+    from harmony_opt.runtime.optim import PackOptimizers, make_factory
+
+    layers = [_Weights(4, 64) for _ in range(6)]
+    call = cpu_call_time("adam", 9)
+    whole = [cpu_update_time(list(layer.parameters()), "adam", repeats=9) for layer in layers]
+    optim = PackOptimizers(layers, [(0, 5)], make_factory("adam", 1e-4))
+    for g in optim.grads.values():
+        g.fill_(1e-3)
+    optim.step_host((0, 5))
+    runs = []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        optim.step_host((0, 5))
+        runs.append(time.perf_counter() - t0)
+    pack = statistics.median(runs)
+    assert 0 < call < min(whole)
+    assert sum(whole) > 1.5 * pack, (whole, pack)
+    assert call + sum(w - call for w in whole) == pytest.approx(pack, rel=0.5), (call, whole, pack)
+    assert torch.isfinite(layers[0].w[0]).all()
