@@ -18,7 +18,7 @@ from harmony_opt.core.errors import HarmonyOptError, UsageError
 
 EXPERIMENTS = ("table1", "compare", "scaling", "servers", "all")
 #: the planner's time limit per search (work seconds, docs/planner.md section 4) without --time-limit
-DEFAULT_TIME_LIMITS = {"table1": 20.0, "compare": 5.0, "scaling": 35.0, "servers": 10.0}
+DEFAULT_TIME_LIMITS = {"table1": 20.0, "compare": 5.0, "scaling": 35.0, "servers": 2.0}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +33,7 @@ def build_parser(prog: str = "python -m experiments") -> argparse.ArgumentParser
     p.add_argument("--out", default=None, help="results folder (default: experiments/results)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="the planner's time limit per search, work seconds (default: table1 20, compare 5, scaling 35, "
-                        "servers 10)")
+                        "servers 2)")
     p.add_argument("--models", default=None, help="comma list of models to restrict to (default: all)")
     p.add_argument("--batches", default=None, help="compare: comma list of minibatch sizes (default 16,64,256)")
     p.add_argument("--gpus", default=None, help="compare: comma list of GPU counts (default 1,2,4)")
@@ -84,8 +84,9 @@ def run(args) -> int:
             df = S.scaling(limit["scaling"], names)
             written += S.write_scaling(df, out, limit["scaling"])
         elif exp == "servers":
-            df = V.two_servers(limit["servers"])
-            written += V.write_two_servers(df, out, limit["servers"])
+            names = [m for m in V.SERVER_MODELS if not models or m in models] or list(V.SERVER_MODELS)
+            df = V.servers(limit["servers"], names)
+            written += V.write_servers(df, out, limit["servers"])
         else:
             budget = C.BASELINE_BUDGET if args.baseline_budget is None else args.baseline_budget
             compare_models = [m for m in (models or bundled_names()) if m in bundled_names()]

@@ -18,7 +18,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HARDWARE = "1080ti-x4"
 
 #: Table 1 of the paper: (model, memory cap in bytes), D = 64, vPP, 4 GPUs (run_four_models__tab1.sh);
-#: the scaling and two-server experiments keep the same minibatch, mode and GPUs
+#: the scaling experiment keeps the same minibatch, mode and GPUs, the servers experiment the minibatch and caps
 TABLE1_CASES = (("bert_96", int(9e9)), ("gpt2_xl", int(9e9)), ("vgg416", 10 * GiB), ("resnet1026", 10 * GiB))
 TABLE1_BATCH, TABLE1_GPUS, TABLE1_MODE = 64, 4, "vPP"
 

@@ -161,7 +161,7 @@ def _backward_work(profile: Profile, hw: Hardware, cfg: Config, ub: list[int]):
     where the pack holds layers of both signs: that sum put the bound above the best plan, on one GPU
     as on several (tests/test_bounds.py)."""
     R = profile.num_layers
-    wait = (cfg.gpus if cfg.mode == "vDP" else 1) if hw.shared_host_link else 1   # a vDP transfer (tasks.py)
+    wait = link_rates(hw, cfg)[0]       # a vDP transfer waits for the server's other replicas (tasks.py)
     bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
     for u, k in collections.Counter(ub).items():        # at most two sizes (split_microbatches)
         c = profile.costs("BWD", u)

@@ -243,12 +243,15 @@ def _schedule_order(sim: Expansion, starts: list[float], free: tuple[str, ...]) 
 
 
 def link_resources(ev, hw: Hardware) -> dict:
-    """Transfer events by the link they share: per direction (per GPU and direction when each GPU
-    has its own link), each carrying at most ``link_slots`` (1) transfers at once."""
+    """Transfer events by the link they share: per direction and server (per GPU and direction when
+    each GPU has its own link), each carrying at most ``link_slots`` (1) transfers at once."""
     links = defaultdict(list)
     for k, e in enumerate(ev):
         if e.link is not None:
-            links[e.link if hw.shared_host_link else (e.link, e.rank)].append(k)
+            if not hw.shared_host_link:
+                links[(e.link, e.rank)].append(k)
+            else:
+                links[e.link if hw.servers == 1 else (e.link, hw.server_of(e.rank))].append(k)
     return links
 
 

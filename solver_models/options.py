@@ -74,6 +74,8 @@ def configurations(profile: Profile, hw: Hardware, batch: int, opts: PlannerOpti
                 continue
             if mode == "vDP" and n == 1 and "vPP" in modes:
                 continue        # identical to vPP on one GPU
+            if mode == "vDP" and n > 1 and hw.servers_used(n) > 1 and not hw.can_allreduce(n):
+                continue        # replicas on several servers need GPU links to all-reduce (Plan.check_against)
             share = batch if mode == "vPP" else min(data_shares(batch, n))
             div = not opts.uneven or opts.harmony_space
             ub = _sizes(feasible_sizes(profile, batch, mode, n, "BWD", divisors_only=div), share)

@@ -178,8 +178,10 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
     """One search; ``incumbent``: a plan to start from instead of Harmony's search's."""
     opts = options or PlannerOptions()
     validate(opts, hw, batch)
-    # weights, gradients and optimizer state: the same in every plan
-    model_host_memory(profile).check(hw, f"every plan of {profile.name}")
+    # weights, gradients and optimizer state: the same in every plan (on several servers they split
+    # between the servers' host memories as the plan places the packs: each plan is checked)
+    if hw.servers == 1:
+        model_host_memory(profile).check(hw, f"every plan of {profile.name}")
     t_start = time.perf_counter()
     S = Search(profile, hw, batch, int(memory_cap or hw.gpu_memory_bytes), opts,
                 # the rest: the report, and what the charges miss

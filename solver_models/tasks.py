@@ -26,6 +26,12 @@ the pace: every host transfer takes N times as long as alone, except the way bac
 round trip through host memory, which the last replica makes alone once the others' are done (the
 simulator serves the link first come, first served). The link's capacity bounds the sum of all
 replicas' bytes (timing.py).
+
+On several servers (Hardware.servers) each server's GPUs share its own host link: N above is the
+replicas per server, the capacity that of every server's link together; a pipeline's handoffs run
+at the mean of P2P and the network over its boundaries (round-robin crosses a server boundary at
+one in every GPUs-per-server), the all-reduce is Hardware.allreduce_time, and the host budget is
+every server's together (the simulator checks each server's own, host_memory.py).
 """
 from __future__ import annotations
 
@@ -233,15 +239,29 @@ def link_rates(hw: Hardware, cfg: Config) -> tuple[int, float, float, float]:
     """(copies, host->GPU and GPU->host bytes/s of one transfer, P2P bytes/s or 0) of ``cfg``'s
     transfers: in vDP the replicas share the host link, each transfer taking ``copies`` times as long
     as alone (the module docstring); P2P only between the GPUs of a pipeline."""
-    copies = cfg.gpus if cfg.mode == "vDP" and cfg.gpus > 1 and hw.shared_host_link else 1
-    p2p = hw.p2p_bandwidth if (cfg.ranks > 1 and hw.p2p_bandwidth > 0) else 0.0
-    return copies, hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies, p2p
+    copies = min(cfg.gpus, hw.gpus_per_server) if cfg.mode == "vDP" and cfg.gpus > 1 and hw.shared_host_link else 1
+    return copies, hw.h2d_bandwidth / copies, hw.d2h_bandwidth / copies, pipeline_p2p(hw, cfg.ranks)
+
+
+def pipeline_p2p(hw: Hardware, ranks: int) -> float:
+    """Bytes/s of a pipeline's handoff between GPUs, 0 where it goes through host memory: P2P on one
+    server; on several, where the servers' GPUs have P2P or each holds one rank, the rate of the mean
+    handoff over the ring's boundaries (``servers`` of the ``ranks`` cross the network)."""
+    if ranks < 2:
+        return 0.0
+    servers = hw.servers_used(ranks)
+    if servers == 1:
+        return hw.p2p_bandwidth if hw.p2p_bandwidth > 0 else 0.0
+    if not (hw.p2p_bandwidth > 0 or hw.gpus_per_server == 1):
+        return 0.0
+    cross = servers / ranks
+    return 1.0 / ((1 - cross) / hw.p2p_bandwidth + cross / hw.network_bandwidth) if cross < 1 else hw.network_bandwidth
 
 
 def link_capacity(hw: Hardware, gpus: int) -> tuple[float, float]:
     """Host->GPU and GPU->host bytes/s through the host link, all ``gpus`` together: one shared
-    link, or one link per GPU (``Tasks.link_bw``; the planner's bound counts the same)."""
-    links = 1 if hw.shared_host_link else gpus
+    link per server, or one link per GPU (``Tasks.link_bw``; the planner's bound counts the same)."""
+    links = hw.servers_used(gpus) if hw.shared_host_link else gpus
     return (hw.link_bandwidth or hw.h2d_bandwidth) * links, (hw.link_bandwidth or hw.d2h_bandwidth) * links
 
 
@@ -264,7 +284,7 @@ def stashable_layers(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[
     if cfg.ranks == 1:
         return np.ones(R, bool)
     _, bw_in, bw_out, _ = link_rates(hw, cfg)
-    share = cfg.ranks if hw.shared_host_link else 1
+    share = min(cfg.ranks, hw.gpus_per_server) if hw.shared_host_link else 1
     # sums over the microbatches, once per distinct size (at most two: split_microbatches)
     uf, ub = collections.Counter(uf_list).items(), collections.Counter(ub_list).items()
     move = share * (sum(k * profile.costs("FWD", u).saved for u, k in uf) / bw_out
@@ -321,7 +341,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     copies, bw_in, bw_out, p2p = link_rates(hw, cfg)
     # activation gradients kept on the GPU between backward packs (Plan.keeps_on_gpu)
     pin_b = gpu_handoff and chain and len(ub_list) == 1
-    replicas = n if cfg.mode == "vDP" and n > 1 and hw.p2p_bandwidth > 0 else 1
+    replicas = n if cfg.mode == "vDP" and hw.can_allreduce(n) else 1
     cf, cb = profile.costs("FWD", cfg.u_fwd), profile.costs("BWD", cfg.u_bwd)
     cf_first, cf_last = profile.costs("FWD", uf_list[0]), profile.costs("FWD", uf_list[-1])
     cb_first, cb_last = profile.costs("BWD", ub_list[0]), profile.costs("BWD", ub_list[-1])
@@ -385,7 +405,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         hop = hc[s] if kind == C else hb[e + 1] + hop_extra
         # outputs: dX of the last microbatch to the next backward pack; weight gradients
         dx = np.where(s > 0, 0.0 if pin_b else send(cb_last.input[s]), 0.0)
-        ard = 2 * (n - 1) / n * w / hw.p2p_bandwidth if replicas > 1 else np.zeros(len(s))
+        ard = hw.allreduce_time(w, n) if replicas > 1 else np.zeros(len(s))
         if gpu_opt:
             step = (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth
             p_last, load = p_last + step, load + step
@@ -431,7 +451,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     cs = np.array([s for s in cuts if s <= R - 1 and cb.pack_memory(int(s), R - 1) <= cap], int)
     ce = np.full(len(cs), R - 1)
     # a GPU optimizer step in vDP needs the all-reduce over a GPU link (Plan.check_against)
-    gpu_opt = gpu_opt and not (cfg.mode == "vDP" and n > 1 and hw.p2p_bandwidth <= 0)
+    gpu_opt = gpu_opt and not (cfg.mode == "vDP" and n > 1 and not hw.can_allreduce(n))
     variants = [(True, False)] + ([(True, True)] if gpu_opt else []) + \
         ([(False, False)] + ([(False, True)] if gpu_opt else []) if stash_ok else [])
     for kind, s0, e0 in ((B, bs, be), (C, cs, ce)):
@@ -446,18 +466,22 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
                 parts.append(backward(kind, s, e, recompute, on_gpu))
     table = TaskTable.concat(parts)
     saved = np.asarray(cf.saved, np.float64) if stash_ok else None
-    return Tasks(cfg, table, R, int(cap), link_capacity(hw, n), copies if cfg.mode == "vDP" else 1, saved, cuts,
-                 host_budget(profile, hw, batch), per_start)
+    # every replica's bytes over the links' capacity (link_capacity: every server's link together)
+    return Tasks(cfg, table, R, int(cap), link_capacity(hw, n),
+                 n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1,
+                 saved, cuts, host_budget(profile, hw, batch), per_start)
 
 
 def host_budget(profile: Profile, hw: Hardware, batch: int) -> int | None:
     """MiB of host memory left for a plan's activation buffers once the weights, gradients and
     optimizer state are in (harmony_opt/sim/host_memory.py; all of them pinned, so the lesser of what
-    is left of either budget); None where no plan of ``batch`` samples could exceed it."""
+    is left of either budget; on several servers, of every server's budget together, the model held
+    once: a relaxation, each plan is then checked against each server's own); None where no plan of
+    ``batch`` samples could exceed it."""
     if not may_bind(profile, hw, batch):
         return None
     model = model_host_memory(profile)
-    left = min(hw.host_memory_bytes - model.total, hw.pinned_memory_bytes - model.pinned)
+    left = min(hw.servers * hw.host_memory_bytes - model.total, hw.servers * hw.pinned_memory_bytes - model.pinned)
     return max(left, -1) // MEM_UNIT
 
 

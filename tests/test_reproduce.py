@@ -156,14 +156,17 @@ def test_scaling_row_on_a_small_gpt2(tmp_path):
     assert "ours_config_status" in (tmp_path / "scaling.md").read_text()
 
 
-def test_two_servers_rows(tiny_bundle, tmp_path):
-    df = V.two_servers(0.5, model=tiny_bundle, batch=8)
-    assert len(df) == 9 and set(df.planner) == {"harmony vPP", "harmony vDP", "ours"}
-    ours = df[df.planner == "ours"]
-    assert ours.solver_config_status.notna().all() and ours.solver_fidelity.notna().all()
-    assert (ours.gpus == [4, 8, 8]).all()
-    V.write_two_servers(df, tmp_path, 0.5)
-    assert "solver_fidelity" in (tmp_path / "two_servers.md").read_text()
+def test_servers_rows(tiny_bundle, tmp_path):
+    df = V.servers(0.5, models=[tiny_bundle], batch=8, counts=(1, 2))
+    # one server, two on each network; Harmony's search and ours in each mode
+    assert len(df) == 12 and set(zip(df.planner, df.mode_requested)) == set(V.RUNS)
+    assert sorted(set(df.gpus)) == [4, 8] and set(df[df.servers == 2].network) == set(V.NETWORKS)
+    two = df[df.servers == 2]
+    assert (two[two["mode"] == "vDP"].network_GB > 0).all() and (two.host_GiB_per_server > 0).all()
+    assert (df.lower_bound_s <= df.iteration_s * (1 + 1e-9)).all()
+    paths = V.write_servers(df, tmp_path, 0.5)
+    assert {p.name for p in paths} == {"servers.csv", "servers.md", "servers.png"}
+    assert "network_GB" in (tmp_path / "servers.md").read_text()
 
 
 def test_compare_cell_skips_layerwise_baselines_over_budget(tiny_bundle):

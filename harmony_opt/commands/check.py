@@ -60,7 +60,8 @@ def _check(args):
     elif kind == "hardware":
         from ..core.hardware import Hardware
         hw = Hardware.load(path)
-        print(f"ok: hardware {hw.name}, {hw.gpus} GPU(s), {hw.gpu_memory_bytes} bytes each")
+        print(f"ok: hardware {hw.name}, {hw.gpus} GPU(s), {hw.gpu_memory_bytes} bytes each"
+              + (f", on {hw.servers} servers ({hw.network_bandwidth:g} bytes/s between two)" if hw.servers > 1 else ""))
     elif kind == "program":
         from ..compile.program import Program
         from ..compile.validate import validate_program

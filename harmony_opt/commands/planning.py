@@ -12,7 +12,7 @@ from ..core.errors import HarmonyOptError, InfeasibleError, PlanError, UsageErro
 from ..core.hardware import get_hardware, usable_cores
 from ..core.plan import Plan
 from ..core.units import fmt_bytes
-from ..sim.host_memory import host_memory
+from ..sim.host_memory import host_memory, host_memory_per_server
 from .common import plan_profile, writable_file
 
 
@@ -129,9 +129,20 @@ def _program_line(plan: Plan, profile) -> str:
 
 
 def _host_line(host, hw) -> str:
-    """A plan's host memory (host_memory.HostMemory) beside the hardware's budgets."""
+    """A plan's host memory (host_memory.HostMemory) beside the hardware's budgets (a server's, on several)."""
+    if host.server is not None:
+        return (f"host memory of server {host.server}: {fmt_bytes(host.total)} ({host.parts()}), "
+                f"{fmt_bytes(host.pinned)} of it pinned; each server has {fmt_bytes(hw.host_memory_bytes)}, "
+                f"{fmt_bytes(hw.pinned_memory_bytes)} pinnable")
     return (f"host memory: {fmt_bytes(host.total)} ({host.parts()}), {fmt_bytes(host.pinned)} of it pinned; "
             f"hardware {hw.name} has {fmt_bytes(hw.host_memory_bytes)}, {fmt_bytes(hw.pinned_memory_bytes)} pinnable")
+
+
+def _host_memories(plan, profile, hw) -> list:
+    """The plan's host memory: the machine's, or each server's where its ranks span several."""
+    if hw.servers_used(plan.gpus) > 1:
+        return host_memory_per_server(plan, profile, hw)
+    return [host_memory(plan, profile, hw)]
 
 
 def solver_summary(s: dict) -> list[str]:
@@ -219,7 +230,8 @@ def _plan(args):
           f"{sum(o.optimizer == 'gpu' for o in p.options)} GPU optimizer step(s)")
     print(f"simulated iteration time {p.simulated_iteration_time_s:.4f} s ({p.cost_model} cost model)")
     print(_program_line(p, profile))
-    print(_host_line(host_memory(p, profile, hw), hw))
+    for host in _host_memories(p, profile, hw):
+        print(_host_line(host, hw))
     for line in solver_summary(s):
         print(line)
     print(f"search {p.search_time_s:.2f} s; lower bound over all plans {s['lower_bound_s']:.4f} s, "
@@ -298,13 +310,14 @@ def _simulate(args):
     if plan.memory_cap or hw.gpu_memory_bytes:
         print(_program_line(plan if plan.memory_cap else plan.replace(memory_cap=hw.gpu_memory_bytes), profile))
     print(f"bytes moved: host->GPU {moved['h2d'] / 1e9:.2f} GB, GPU->host {moved['d2h'] / 1e9:.2f} GB, "
-          f"GPU<->GPU {moved['p2p'] / 1e9:.2f} GB")
-    host = host_memory(plan, profile, hw)
-    print(_host_line(host, hw))
-    try:
-        host.check(hw, "this plan")
-    except InfeasibleError as e:
-        print(f"warning: {e}")
+          f"GPU<->GPU {moved['p2p'] / 1e9:.2f} GB"
+          + (f", between servers {tl.meta['network_bytes'] / 1e9:.2f} GB" if "network_bytes" in tl.meta else ""))
+    for host in _host_memories(plan, profile, hw):
+        print(_host_line(host, hw))
+        try:
+            host.check(hw, "this plan")
+        except InfeasibleError as e:
+            print(f"warning: {e}")
     if args.trace:
         print(f"wrote {tl.to_chrome_trace(args.trace)}")
     if args.plot:

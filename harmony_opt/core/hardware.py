@@ -26,11 +26,13 @@ def usable_cores(most: int | None = None) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One server: ``gpus`` identical GPUs behind host links.
+    """``servers`` identical servers of ``gpus // servers`` identical GPUs each, behind host links.
 
-    Bandwidths are bytes/s per direction. With ``shared_host_link`` all GPUs share one
+    Bandwidths are bytes/s per direction. With ``shared_host_link`` all GPUs of a server share one
     host<->GPU link (a PCIe switch): each transfer runs at ``h2d_bandwidth`` /
-    ``d2h_bandwidth`` and at most ``link_bandwidth`` in total flows per direction.
+    ``d2h_bandwidth`` and at most ``link_bandwidth`` in total flows per direction. The link, host
+    memory and pinned memory fields are per server; rank r runs on server ``r // gpus_per_server``,
+    and GPUs on different servers exchange data at ``network_bandwidth`` (docs/scaling.md).
     """
 
     name: str
@@ -62,6 +64,8 @@ class Hardware:
     cpu_optimizer_call_s: float = 0.0  # fixed seconds per CPU optimizer call, on top of the scaled profile time
     issue_overhead_s: float = 0.0      # fixed seconds per compute event (forward, backward, recompute)
     collective_bandwidth: float | None = None   # bytes/s of the vDP all-reduce; None: p2p_bandwidth
+    servers: int = 1                 # identical servers; gpus must be a multiple
+    network_bandwidth: float = 0.0   # between two servers, bytes/s per direction (required when servers > 1)
 
     def __post_init__(self):
         where = f"hardware {self.name!r}"
@@ -88,6 +92,17 @@ class Hardware:
             raise HardwareError(f"{where}: compute_scale must be positive, got {self.compute_scale!r}")
         if self.collective_bandwidth is not None and not self.collective_bandwidth > 0:
             raise HardwareError(f"{where}: collective_bandwidth must be positive, got {self.collective_bandwidth!r}")
+        if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
+            raise HardwareError(f"{where}: servers must be a whole number >= 1, got {self.servers!r}")
+        if self.gpus % self.servers:
+            raise HardwareError(f"{where}: gpus ({self.gpus}) must be a multiple of servers ({self.servers}): "
+                                f"every server has the same number of GPUs")
+        nb = self.network_bandwidth
+        if not isinstance(nb, (int, float)) or nb < 0 or nb == float("inf"):
+            raise HardwareError(f"{where}: network_bandwidth must be a finite bandwidth >= 0 in bytes/s, got {nb!r}")
+        if self.servers > 1 and not nb > 0:
+            raise HardwareError(f"{where}: {self.servers} servers need network_bandwidth (bytes/s per direction "
+                                f"between two servers), e.g. network_bandwidth = 3125000000.0 for 25 GbE")
         if self.pinned_memory_bytes > self.host_memory_bytes:
             raise HardwareError(f"{where}: pinned_memory_bytes ({self.pinned_memory_bytes}) exceeds "
                                 f"host_memory_bytes ({self.host_memory_bytes})")
@@ -100,16 +115,66 @@ class Hardware:
         total = self.link_bandwidth or max(self.h2d_bandwidth, self.d2h_bandwidth)
         return max(1, int(total // max(self.h2d_bandwidth, self.d2h_bandwidth) + 1e-9))
 
+    # -- servers ----------------------------------------------------------------------------------
+    @property
+    def gpus_per_server(self) -> int:
+        return self.gpus // self.servers
+
+    def server_of(self, rank: int) -> int:
+        """The server rank ``rank`` runs on: ranks fill the servers in order."""
+        return rank // self.gpus_per_server
+
+    def servers_used(self, gpus: int) -> int:
+        """Servers that ranks 0 .. gpus-1 span."""
+        return -(-gpus // self.gpus_per_server)
+
+    def gpu_bandwidth(self, src: int, dst: int) -> float:
+        """GPU<->GPU bytes/s from rank ``src`` to rank ``dst``: P2P inside a server, the network between."""
+        return self.p2p_bandwidth if self.server_of(src) == self.server_of(dst) else self.network_bandwidth
+
+    def can_allreduce(self, gpus: int) -> bool:
+        """Whether ``gpus`` vDP replicas can all-reduce on GPU links: P2P inside every server that holds
+        two or more of them, the network between servers."""
+        if gpus < 2:
+            return False
+        inside = min(gpus, self.gpus_per_server) > 1
+        return (not inside or self.p2p_bandwidth > 0) and (self.servers_used(gpus) == 1 or self.network_bandwidth > 0)
+
+    def allreduce_time(self, nbytes, gpus: int):
+        """Seconds to all-reduce ``nbytes`` (a number or an array) over ranks 0 .. gpus-1, hierarchically:
+        a ring inside each server (reduce-scatter and all-gather, 2 (p-1)/p x nbytes per GPU at
+        p2p_bandwidth, p ranks per server), between them a ring over the servers of each GPU's 1/p
+        shard, the p shards sharing the server's network link (2 (S-1)/S x nbytes per server at
+        network_bandwidth). On one server, the ring all-reduce."""
+        p, s = min(gpus, self.gpus_per_server), self.servers_used(gpus)
+        t = 2 * (p - 1) / p * nbytes / self.p2p_bandwidth if p > 1 else 0 * nbytes
+        if s > 1:
+            t = t + 2 * (s - 1) / s * nbytes / self.network_bandwidth
+        return t
+
     def with_memory(self, cap_bytes: int) -> "Hardware":
         return dataclasses.replace(self, gpu_memory_bytes=int(cap_bytes))
 
     def with_gpus(self, n: int) -> "Hardware":
+        """The first ``n`` GPUs: on several servers, whole servers (or part of the first)."""
         if n > self.gpus:
             raise HardwareError(f"hardware {self.name!r} has {self.gpus} GPU(s); {n} were asked for")
-        return dataclasses.replace(self, gpus=int(n))
+        per = self.gpus_per_server
+        if self.servers > 1 and n > per and n % per:
+            raise HardwareError(f"hardware {self.name!r} has {per} GPUs per server; ask for whole servers "
+                                f"(a multiple of {per}) or at most {per}")
+        return dataclasses.replace(self, gpus=int(n), servers=max(1, int(n) // per) if self.servers > 1 else 1)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields; the cost terms at their neutral values and one server without a network are left
+        out, so files and the plans that record them read as before those fields existed."""
+        d = dataclasses.asdict(self)
+        for f in _OMITTED_AT_DEFAULT:
+            if d[f] == _DEFAULTS[f]:
+                del d[f]
+        if self.servers == 1 and not self.network_bandwidth:
+            del d["servers"], d["network_bandwidth"]
+        return d
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -142,14 +207,16 @@ class Hardware:
                 raise HardwareError(f"{source}: {e}") from None
         for k in ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                   "cpu_optimizer_scale", "gpu_optimizer_bandwidth", "h2d_latency_s", "d2h_latency_s",
-                  "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth"):
+                  "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth",
+                  "network_bandwidth"):
             if kw.get(k) is not None and (isinstance(kw[k], bool) or not isinstance(kw[k], (int, float))):
                 unit = "seconds" if k.endswith("_s") else "a factor" if k.endswith("scale") else "bytes/s"
                 raise HardwareError(f"{source}: field {k} must be a number ({unit}), got {kw[k]!r}")
         if "copy_overlap" in kw and not isinstance(kw["copy_overlap"], bool):
             raise HardwareError(f"{source}: field copy_overlap must be true or false, got {kw['copy_overlap']!r}")
-        if "gpus" in kw and (isinstance(kw["gpus"], bool) or not isinstance(kw["gpus"], int)):
-            raise HardwareError(f"{source}: field gpus must be a whole number, got {kw['gpus']!r}")
+        for k in ("gpus", "servers"):
+            if k in kw and (isinstance(kw[k], bool) or not isinstance(kw[k], int)):
+                raise HardwareError(f"{source}: field {k} must be a whole number, got {kw[k]!r}")
         try:
             return cls(**kw)
         except HardwareError as e:
@@ -169,6 +236,12 @@ class Hardware:
         if not isinstance(d, dict):
             raise HardwareError(f"{path}: must hold a table of fields")
         return cls.from_dict(d, str(path))
+
+
+#: Fields a hardware file or a plan's record leaves out at their default (neutral) value.
+_OMITTED_AT_DEFAULT = ("copy_overlap", "h2d_latency_s", "d2h_latency_s", "compute_scale", "cpu_optimizer_call_s",
+                       "issue_overhead_s", "collective_bandwidth")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Hardware)}
 
 
 PRESETS: dict[str, Hardware] = {
@@ -229,16 +302,30 @@ def scaling_hardware(base: str = "1080ti-x4") -> Hardware:
                                host_memory_bytes=SCALING_HOST_MEMORY, pinned_memory_bytes=SCALING_PINNED_MEMORY)
 
 
-def two_server_hardware(base: str = "1080ti-x4") -> dict[str, Hardware]:
-    """One paper server, and two of them as one 8-GPU Hardware: each server's PCIe switch adds a host
-    link (two transfers per direction at once), GPU<->GPU traffic at PCIe P2P speed (optimistic: as
-    if every pair were in one server) or at 25 GbE speed (pessimistic: as if every pair crossed servers).
-    The simulator has one GPU<->GPU bandwidth, so these two bracket a real 4 + 4 split."""
+#: 100 Gb/s (InfiniBand EDR or 100 GbE) between two servers, bytes/s
+INTER_SERVER_100G = 100e9 / 8
+
+
+def multi_server_hardware(base: str = "1080ti-x4", servers: int = 2,
+                          network_bandwidth: float = INTER_SERVER_25GBE) -> Hardware:
+    """``servers`` copies of the preset (or file) ``base``, ``network_bandwidth`` bytes/s per direction
+    between any two: each brings its own host link, host memory and pinned memory."""
     one = get_hardware(base)
-    two = dataclasses.replace(one, gpus=8, link_bandwidth=2 * one.link_bandwidth,
-                              host_memory_bytes=2 * one.host_memory_bytes,
-                              pinned_memory_bytes=2 * one.pinned_memory_bytes)
-    return {"1 server, 4 GPUs": one,
-            "2 servers, 8 GPUs, P2P 8.2 GiB/s everywhere": dataclasses.replace(two, name=f"2x{base}-p2p"),
-            "2 servers, 8 GPUs, 25 GbE everywhere": dataclasses.replace(two, name=f"2x{base}-25gbe",
-                                                                      p2p_bandwidth=INTER_SERVER_25GBE)}
+    if servers == 1:
+        return one
+    return dataclasses.replace(
+        one, name=f"{servers}x{one.name}-{network_bandwidth * 8 / 1e9:g}gbps", gpus=one.gpus * servers,
+        servers=servers, network_bandwidth=float(network_bandwidth),
+        description=f"{servers} x ({one.description or one.name}), {network_bandwidth * 8 / 1e9:g} Gb/s between them")
+
+
+def two_server_hardware(base: str = "1080ti-x4") -> dict[str, Hardware]:
+    """One paper server, and two of them at 25 GbE and at 100 Gb/s, by label."""
+    return {f"1 server, {get_hardware(base).gpus} GPUs": get_hardware(base),
+            "2 servers, 25 GbE": multi_server_hardware(base, 2, INTER_SERVER_25GBE),
+            "2 servers, 100 Gb/s": multi_server_hardware(base, 2, INTER_SERVER_100G)}
+
+
+# Two paper servers on 25 Gb/s Ethernet: each its own PCIe switch, host memory and pinned memory.
+PRESETS["2x1080ti-x4"] = dataclasses.replace(multi_server_hardware("1080ti-x4", 2, INTER_SERVER_25GBE),
+                                             name="2x1080ti-x4")

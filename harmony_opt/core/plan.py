@@ -253,7 +253,12 @@ class Plan:
         if hardware is not None and self.gpus > hardware.gpus:
             raise PlanError(f"plan field gpus: {self.gpus} GPUs but hardware {hardware.name!r} has "
                             f"{hardware.gpus}")
-        if (hardware is not None and self.mode == "vDP" and self.gpus > 1 and hardware.p2p_bandwidth <= 0
+        if (hardware is not None and self.mode == "vDP" and self.gpus > 1 and hardware.servers_used(self.gpus) > 1
+                and not hardware.can_allreduce(self.gpus)):
+            raise PlanError(f"plan field mode: vDP on several servers all-reduces the gradients on GPU links, and "
+                            f"hardware {hardware.name!r} has no GPU-to-GPU link inside a server (p2p_bandwidth); "
+                            f"use vPP")
+        if (hardware is not None and self.mode == "vDP" and self.gpus > 1 and not hardware.can_allreduce(self.gpus)
                 and any(o.optimizer == "gpu" for o in self.options)):
             raise PlanError(f"plan field options: vDP replicas step the optimizer on their GPUs only after an "
                             f"all-reduce, and hardware {hardware.name!r} has no GPU-to-GPU link; use optimizer "

@@ -76,14 +76,14 @@ def iteration_floor(plan: Plan, profile: Profile, hw: Hardware) -> float:
     input gradient go to host memory and come back for the next task; each pack's input
     is stashed to the host in the forward and brought back for its backward; weight
     gradients go to the host. Every stream runs one event at a time, and on a shared host
-    link at most ``hw.link_slots`` transfers per direction run at once. So the iteration
+    link at most ``hw.link_slots`` transfers per direction run at once (per server). So the iteration
     lasts at least the longest of
 
     * each GPU's chain of tasks: task k starts no earlier than task k-1 started plus the
       longest of its compute, task k's weight swap-in, and task k-1's first microbatch
       plus the round trip of its output through host memory;
     * each GPU's busiest stream (compute, weight swap-ins, activation swap-ins, swap-outs);
-    * the host link: every transfer's time over the transfers it carries at once.
+    * each server's host link: its GPUs' transfer times over the transfers it carries at once.
 
     Vectorized over packs. tests/test_fuzz_planners.py checks it against the simulator on
     random inputs, since the baselines skip every microbatch size whose floor exceeds the
@@ -92,14 +92,18 @@ def iteration_floor(plan: Plan, profile: Profile, hw: Hardware) -> float:
     if plan.mode != "vDP" or not all(o.recompute and o.optimizer == "cpu" for o in plan.options):
         return 0.0
     try:
-        ranks = [_rank_floor(plan, profile, hw, share) for share in data_shares(plan.batch, plan.gpus) if share]
+        floors = {k: _rank_floor(plan, profile, hw, share) for k, share in enumerate(data_shares(plan.batch, plan.gpus))
+                  if share}
+        ranks = list(floors.values())
     except HarmonyOptError:     # a microbatch the profile cannot cost: the simulator refuses the plan too
         return 0.0
     if not ranks:
         return 0.0
     floor = max(r[0] for r in ranks)
     if hw.shared_host_link:
-        floor = max(floor, sum(r[1] for r in ranks) / hw.link_slots, sum(r[2] for r in ranks) / hw.link_slots)
+        for s in range(hw.servers_used(len(ranks))):
+            on = [r for k, r in floors.items() if hw.server_of(k) == s]
+            floor = max(floor, sum(r[1] for r in on) / hw.link_slots, sum(r[2] for r in on) / hw.link_slots)
     return floor
 
 
@@ -278,6 +282,9 @@ def plan_harmony(profile, hw, batch, cap, *, mode="vPP", gpus=None, packing_fwd=
     ``play_many(plans)``: ``played`` of each plan (default: one after the other here), e.g. in other
     processes: the same plan, sooner."""
     n = _gpus(hw, gpus)
+    if mode == "vDP" and n > 1 and hw.servers_used(n) > 1 and not hw.can_allreduce(n):
+        raise InfeasibleError(f"vDP on {n} GPUs of several servers all-reduces on GPU links, and hardware "
+                              f"{hw.name!r} has no p2p_bandwidth inside a server; use vPP")
     events = [0]
 
     def score_many(plans):

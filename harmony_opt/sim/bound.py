@@ -15,10 +15,11 @@ packing and per-pack options, an iteration needs at least:
   sample is at a profiled size (for the difference, of either phase; the forward at the
   nearest profiled size beyond its range, as the simulator takes it);
 * host link: if the model's weights and buffers do not fit in the GPUs together, the
-  excess must come in over the link at least once per iteration; what of weights,
+  excess must come in over the host links at least once per iteration; what of weights,
   gradients and optimizer state does not fit must leave (as gradients to a CPU
   optimizer, or as updated weights and state from a GPU step), at least up to the
-  size of the weights: ``bytes / link bandwidth`` per direction.
+  size of the weights: ``bytes / link bandwidth`` per direction, the bandwidth of every
+  server's link together (of every GPU's, where each has its own).
 
 The CPU optimizer is not a term: a plan may step every pack on the GPU instead.
 
@@ -48,8 +49,7 @@ def lower_bound(profile: Profile, hw: Hardware, batch: int, memory_cap: int | No
     wb = int(profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1))
     k = int(profile.optimizer_bytes(0, R - 1))
     link = hw.link_bandwidth or hw.h2d_bandwidth
-    if not hw.shared_host_link:
-        link = link * n
+    link = link * (n if not hw.shared_host_link else hw.servers)
     h2d_bytes = max(0, wb - n * cap)
     w = int(profile.param_bytes(0, R - 1))
     d2h_bytes = min(w, max(0, wb + k + w - n * cap))

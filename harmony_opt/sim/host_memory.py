@@ -12,6 +12,13 @@ The runtime (docs/runtime.md, "Memory") keeps in host memory, for the whole mach
 The first three are the same for every plan of a model (``model_host_memory``): a model whose
 weights, gradients and optimizer state do not fit has no plan on that machine. Only the
 activations depend on the plan (``host_memory``, from the task graph's flows through host memory).
+
+On several servers each server's host memory is its own budget (``host_memory_per_server``): a
+layer's weights live on every server whose GPUs run a pack of it (in vPP a layer whose forward and
+backward packs run on different servers has a copy on each; in vDP every server holds them all),
+its gradient buffer and optimizer state where it is stepped (in vDP each server its ranks' shards),
+and an activation buffer on the server of each GPU task that writes or reads it (both, where the
+two are on different servers).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import numpy as np
 
 from ..core.errors import InfeasibleError
 from ..core.hardware import Hardware
-from ..core.kinds import Medium, Tensor
+from ..core.kinds import Medium, TaskKind, Tensor
 from ..core.plan import Plan
 from ..core.profile import Profile
 from ..core.units import fmt_bytes
@@ -36,6 +43,7 @@ class HostMemory:
     optimizer: int      # optimizer state
     gradients: int      # host gradient buffers
     activations: int    # activation buffers of the plan (0: the model alone)
+    server: int | None = None   # on several servers: the server whose host memory this is
 
     @property
     def total(self) -> int:
@@ -52,14 +60,15 @@ class HostMemory:
         return ", ".join(f"{name} {fmt_bytes(b)}" for name, b in named if b)
 
     def check(self, hw: Hardware, what: str) -> None:
-        """InfeasibleError naming what does not fit, by how much, against which budget."""
+        """InfeasibleError naming what does not fit, by how much, against which budget (and server)."""
+        where = f"hardware {hw.name}" if self.server is None else f"server {self.server} of hardware {hw.name}"
         for need, have, kind, budget, held in (
                 (self.total, hw.host_memory_bytes, "host", "host_memory_bytes", self.parts()),
                 (self.pinned, hw.pinned_memory_bytes, "pinned host", "pinned_memory_bytes", "all but the optimizer state")):
             if need > have:
                 raise InfeasibleError(
                     f"{what} needs {fmt_bytes(need)} ({need} bytes) of {kind} memory ({held}), more than the "
-                    f"{fmt_bytes(have)} ({have} bytes) of hardware {hw.name} ({budget}); use a hardware file with "
+                    f"{fmt_bytes(have)} ({have} bytes) of {where} ({budget}); use a hardware file with "
                     f"more host memory"
                     + (", or a smaller minibatch" if self.activations else ", or a smaller model"),
                     needed_bytes=int(need), cap_bytes=int(have))
@@ -90,6 +99,50 @@ def host_memory(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory:
     return dataclasses.replace(model_host_memory(profile), activations=int(acts))
 
 
+def host_memory_per_server(plan: Plan, profile: Profile, hw: Hardware) -> list[HostMemory]:
+    """``host_memory`` of each server the plan's ranks span (the module docstring), ``server`` set."""
+    from .taskgraph import D2H_MEDIA, compose
+
+    nodes = compose(plan, profile, hw)
+    servers = hw.servers_used(plan.gpus)
+    on = hw.server_of
+    acts = [0] * servers
+    weights = [set() for _ in range(servers)]       # layers whose weights each server holds
+    stepped = [set() for _ in range(servers)]       # layers whose gradients and state it keeps (vPP)
+    for node in nodes:
+        here = on(node.rank)
+        if node.kind != TaskKind.UPD:
+            weights[here].update(range(node.pack[0], node.pack[1] + 1))
+        if node.kind == TaskKind.BWD:
+            stepped[here].update(range(node.pack[0], node.pack[1] + 1))
+        for f in node.inputs:
+            if f.medium == Medium.DAT and f.tensor == Tensor.X:
+                acts[here] += f.total
+            elif f.tensor == Tensor.SX and not (f.layers[0] == 0 and plan.options[node.bwd_index].recompute):
+                for s in {here, on(f.peer.rank)}:
+                    acts[s] += f.total
+        for f in node.outputs:
+            if f.tensor in (Tensor.Y, Tensor.DX) and f.medium in D2H_MEDIA:
+                for s in {here} | ({on(f.peer.rank)} if f.peer is not None else set()):
+                    acts[s] += f.total
+
+    def layers_bytes(fn, layers) -> int:
+        return sum(int(fn(l, l)) for l in layers)
+    out = []
+    n = plan.gpus
+    for s in range(servers):
+        ranks = sum(1 for r in range(n) if on(r) == s)
+        if plan.mode == "vDP":
+            model = model_host_memory(profile)
+            part = HostMemory(model.weights, -(-model.optimizer * ranks // n), -(-model.gradients * ranks // n), 0)
+        else:
+            part = HostMemory(layers_bytes(profile.param_bytes, weights[s]) + layers_bytes(profile.buffer_bytes, weights[s]),
+                              layers_bytes(profile.optimizer_bytes, stepped[s]),
+                              layers_bytes(profile.grad_bytes, stepped[s]), 0)
+        out.append(dataclasses.replace(part, activations=int(acts[s]), server=s))
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def _per_sample(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
     """Per layer, the most input and saved-activation bytes per sample at any profiled size (built
@@ -118,7 +171,10 @@ def overrun(plan: Plan, profile: Profile, hw: Hardware) -> HostMemory | None:
     quick = dataclasses.replace(model_host_memory(profile), activations=activation_ceiling(
         profile, plan.batch, [a for a, _ in packs] + [b + 1 for _, b in packs if b + 1 < profile.num_layers], stashed))
     if quick.total <= hw.host_memory_bytes and quick.pinned <= hw.pinned_memory_bytes:
-        return None
+        return None     # on several servers too: no server holds more than the whole model and every buffer
+    if hw.servers_used(plan.gpus) > 1:
+        return next((need for need in host_memory_per_server(plan, profile, hw)
+                     if need.total > hw.host_memory_bytes or need.pinned > hw.pinned_memory_bytes), None)
     need = host_memory(plan, profile, hw)
     return None if need.total <= hw.host_memory_bytes and need.pinned <= hw.pinned_memory_bytes else need
 

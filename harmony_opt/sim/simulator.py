@@ -12,7 +12,12 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
   ``swap_in``, ``swap_out`` and ``free`` streams (``Plan.transfer_order``, named by
   :meth:`Expansion.key`);
 * host->GPU and GPU->host transfers of all GPUs behind a shared switch share the link:
-  at most ``hardware.link_slots`` transfers per direction run at once;
+  at most ``hardware.link_slots`` transfers per direction run at once, per server;
+* on several servers (``hardware.servers``), GPU<->GPU sends between servers run at
+  ``network_bandwidth``, what goes through host memory from one server to another (stashed
+  activations, re-batched outputs, updated weights another server's forward reads) is copied
+  between the hosts on the sender's ``net`` stream, and vDP's all-reduce is hierarchical
+  (``Hardware.allreduce_time``);
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
   starts and its working set when its first compute starts, and frees both when its
   last event ends; an event that does not fit waits. So prefetch (just-in-time) only
@@ -42,7 +47,7 @@ from ..core.units import fmt_bytes
 from .taskgraph import SOURCE_TENSOR, Task, TaskNode, compose, placement, task_memories, task_memory
 from .timeline import Timeline, memory_steps
 
-STREAMS = ("compute", "swap_in_w", "swap_in", "swap_out", "p2p", "cpu")
+STREAMS = ("compute", "swap_in_w", "swap_in", "swap_out", "p2p", "cpu", "net")
 _H2D, _D2H = "h2d", "d2h"
 
 
@@ -65,6 +70,7 @@ class _Event:
     end: float = -1.0
     node: Task | None = None         # the task graph node it belongs to
     peer: Task | None = None         # an activation's swap-out or P2P send: the task it is for
+    net: int = 0                     # of its bytes, those that cross the network between servers
 
 
 #: Harmony's task order and placement for one copy (taskgraph.placement); kept under its old name.
@@ -137,6 +143,7 @@ class Expansion:
         self.grads: dict[Task, int] = {}                # BWD task -> event after which its gradient is out
         self.reduced: dict[Task, int] = {}              # BWD task -> its all-reduce (vDP with a GPU link)
         self.labels: dict[tuple, str] = {}              # pack -> "first-last"
+        self.spans = hw.servers_used(plan.gpus) > 1     # ranks on several servers
 
     # -- memory rules ------------------------------------------------------------------------
     @staticmethod
@@ -166,8 +173,24 @@ class Expansion:
                         key=key, peer=peer)
 
     def p2p(self, rank, kind, node, mb, nbytes, deps, peer):
-        """Send an activation to another GPU over the GPU link (on the sender's p2p stream)."""
-        return self.add(rank, "p2p", kind, node, mb, nbytes / self.hw.p2p_bandwidth, nbytes, deps, peer=peer)
+        """Send an activation to another GPU over the GPU link, or the network to another server (on the
+        sender's p2p stream)."""
+        eid = self.add(rank, "p2p", kind, node, mb, nbytes / self.hw.gpu_bandwidth(rank, peer.rank), nbytes, deps,
+                       peer=peer)
+        if self.spans and self.hw.server_of(rank) != self.hw.server_of(peer.rank):
+            self.events[eid].net = int(nbytes)
+        return eid
+
+    def other_server(self, rank: int, peer: Task | None) -> bool:
+        return self.spans and peer is not None and self.hw.server_of(rank) != self.hw.server_of(peer.rank)
+
+    def net(self, rank, kind, node, mb, nbytes, deps, peer=None, key=None, seconds=None) -> int:
+        """Copy ``nbytes`` from this server's host memory to another's over the network (on the sender's
+        net stream); ``seconds``: its time where the network link is shared by several senders."""
+        eid = self.add(rank, "net", kind, node, mb, nbytes / self.hw.network_bandwidth if seconds is None else seconds,
+                       nbytes, deps, key=key, peer=peer)
+        self.events[eid].net = int(nbytes)
+        return eid
 
     # -- expansion --------------------------------------------------------------------------------
     def build(self) -> None:
@@ -191,6 +214,8 @@ class Expansion:
         for upd, producers in waiting:
             self.events[upd].deps += [g for g in (self._gradient_ready(*p) for p in producers)
                                       if g not in self.events[upd].deps]
+        if self.spans:
+            self._weights_across()
         for rank, stream, keys in self.plan.transfer_order or ():
             self._reorder(rank, stream, keys)
 
@@ -311,6 +336,8 @@ class Expansion:
                     ev = self.p2p(r, kind, node, i, f.nbytes[i], [comp], f.peer)
                 else:
                     ev = self.d2h(r, kind, node, i, f.nbytes[i], [comp], peer=f.peer)
+                    if self.other_server(r, f.peer):      # to the consumer's host, over the network
+                        ev = self.net(r, kind, node, i, f.nbytes[i], [ev], peer=f.peer)
                 sent.append(ev)
                 task_outputs.append(ev)
         if not fwd:
@@ -344,7 +371,10 @@ class Expansion:
         w = int(self.prof.param_bytes(*node.pack))
         deps = [last_compute]
         if any(f.tensor == Tensor.DW and f.medium == Medium.P2P and f.peer is None for f in node.outputs):
-            ard = self.add(r, "p2p", "ARD", node, 0, 2 * (n - 1) / n * w / self.hw.p2p_bandwidth, w, deps)
+            ard = self.add(r, "p2p", "ARD", node, 0, self.hw.allreduce_time(w, n), w, deps)
+            if self.spans:      # this rank's share of what its server sends to the others
+                s = self.hw.servers_used(n)
+                self.events[ard].net = int(2 * (s - 1) / s * w / min(n, self.hw.gpus_per_server))
             self.collectives.setdefault((node.task.sweep, node.index), []).append(ard)
             self.reduced[node.task] = ard
             deps = [ard]
@@ -361,7 +391,7 @@ class Expansion:
         prof, n = self.prof, self.replicas
         a, b = node.pack
         dur = float(prof.cpu_update_time(a, b)) * self.hw.cpu_optimizer_scale
-        if n > 1 and self.hw.p2p_bandwidth > 0:
+        if self.hw.can_allreduce(n):
             dur /= n     # each rank's CPU steps its shard of the all-reduced gradient
         elif n > 1:
             dur += (n - 1) * int(prof.param_bytes(a, b)) / self.hw.host_copy_bandwidth / n
@@ -373,6 +403,37 @@ class Expansion:
 
     def _gradient_ready(self, producer: Task, reduced: bool) -> int:
         return self.reduced[producer] if reduced else self.grads[producer]
+
+    def _weights_across(self) -> None:
+        """On several servers, updated weights reach the host of every other server whose forward reads
+        them (before the next iteration, so within this one): in vPP the layers of an updated pack that a
+        forward pack on another server holds; in vDP each rank's updated shard, to every other server
+        (the ranks of a server share its network link)."""
+        hw, plan, prof = self.hw, self.plan, self.prof
+        done = {}       # the update's last event: a CPU step, or the GPU step's weights back in host memory
+        for eid, e in enumerate(self.events):
+            if e.kind in ("UPD", "WK"):
+                done[(e.rank, e.node)] = eid
+        if plan.mode == "vDP":
+            n, s = plan.gpus, hw.servers_used(plan.gpus)
+            p = min(n, hw.gpus_per_server)
+            for (r, key), eid in done.items():
+                w = int(prof.param_bytes(*key.pack))
+                self.net(r, "W", self.by_key[key], 0, (s - 1) * w // n, [eid], key=key,
+                         seconds=(s - 1) * w * p / n / hw.network_bandwidth)
+            return
+        server_of_layer = {}
+        for node in self.nodes:
+            if node.kind == TaskKind.FWD:
+                for layer in range(node.pack[0], node.pack[1] + 1):
+                    server_of_layer[layer] = hw.server_of(node.rank)
+        for (r, key), eid in done.items():
+            a, b = key.pack
+            here = hw.server_of(r)
+            nbytes = sum(int(prof.param_bytes(l, l)) for l in range(a, b + 1)
+                         if server_of_layer.get(l, here) != here)
+            if nbytes:
+                self.net(r, "W", self.by_key[key], 0, nbytes, [eid], key=key)
 
     # -- the event loop -------------------------------------------------------------------------
     def run(self, with_timeline: bool) -> Timeline:
@@ -408,13 +469,15 @@ class Expansion:
         for si, q in enumerate(queues):
             for e in q:
                 stream_of[e] = si
-        # resources: link slots per direction (per GPU when the link is not shared), memory per rank
+        # resources: link slots per direction and server (per GPU when the link is not shared), memory per rank
         shared = self.hw.shared_host_link
+        server_of = self.hw.server_of
         link_ids: dict = {}
         link_of = [-1] * n
         for i, e in enumerate(ev):
             if e.link is not None:
-                link_of[i] = link_ids.setdefault(e.link if shared else (e.link, e.rank), len(link_ids))
+                link_of[i] = link_ids.setdefault((e.link, server_of(e.rank)) if shared else (e.link, e.rank),
+                                                 len(link_ids))
         slots = [self.hw.link_slots if shared else 1] * len(link_ids)
         used = [0] * len(link_ids)
         cap = self.cap
@@ -538,6 +601,8 @@ class Expansion:
         else:
             tl = Timeline.summary(iteration, cost_model="default", ranks=ranks)
         tl.meta["events"] = len(ev)
+        if self.spans:
+            tl.meta["network_bytes"] = sum(e.net for e in ev)
         if not with_timeline:
             tl.meta["peak_memory"] = {r: max((b for _, _, b in rows), default=0) for r, rows in enumerate(steps)}
             moved = {_H2D: 0, _D2H: 0, "p2p": 0}

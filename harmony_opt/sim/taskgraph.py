@@ -220,8 +220,8 @@ class _Composer:
         self.order = placement(plan)
         self.vdp = plan.mode == "vDP"
         self.replicas = plan.gpus if self.vdp else 1
-        self.allreduce = self.replicas > 1 and hw.p2p_bandwidth > 0
-        self.host_sum = self.replicas > 1 and not hw.p2p_bandwidth > 0
+        self.allreduce = self.replicas > 1 and hw.can_allreduce(self.replicas)
+        self.host_sum = self.replicas > 1 and not self.allreduce
         self.nf = len(plan.packs_fwd)
         self.pieces_f, self.pieces_b = _stash_map(plan)
         self.memory = task_memories(plan, prof)
@@ -292,10 +292,11 @@ class _Composer:
     def medium(self, src: int, dst: int, rebatch: bool = False, sizes=((), ())) -> Medium:
         """An activation between two tasks: on the same GPU, kept there (a gradient between backward
         packs, Plan.keeps_on_gpu of the producer's and consumer's microbatch ``sizes``) or swapped;
-        else P2P if there is a GPU link and the microbatches match, else through host memory."""
+        else P2P if there is a GPU link (the network between servers) and the microbatches match, else
+        through host memory."""
         if src == dst:
             return Medium.PIN if self.plan.keeps_on_gpu(*sizes) else Medium.SWP
-        if rebatch or not self.hw.p2p_bandwidth > 0:
+        if rebatch or not (self.hw.p2p_bandwidth > 0 or self.hw.server_of(src) != self.hw.server_of(dst)):
             return Medium.MSG
         return Medium.P2P
 

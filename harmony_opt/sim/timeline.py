@@ -27,7 +27,7 @@ P2P_STREAMS = ("p2p", "P2PIn", "P2POut")
 #: Gantt colours of the transfer streams (compute events are coloured by their kind).
 STREAM_COLORS = {"swap_in_w": "tab:brown", "swap_in": "tab:orange", "SwapIn": "tab:orange",
                  "swap_out": "tab:purple", "SwapOut": "tab:purple", "p2p": "tab:pink", "P2PIn": "tab:pink",
-                 "P2POut": "tab:pink", "cpu": "tab:red", "CPU": "tab:red"}
+                 "P2POut": "tab:pink", "cpu": "tab:red", "CPU": "tab:red", "net": "tab:olive"}
 
 
 #: The ``meta`` entries a Chrome trace carries (in its ``otherData``) and reads back.
