@@ -3,7 +3,11 @@
 ``compute_floor`` (cheap, orders every configuration), ``config_bound`` (compute, host link and, in
 vPP, the criterion pack's serial path) and ``pipeline_path_bound`` (vPP: the serial path through the
 largest pack, per start of the criterion pack). Each is at most the model's optimum of its
-configuration; tests/test_bounds.py checks that against the exact optimum on random profiles."""
+configuration; tests/test_bounds.py checks that against the exact optimum on random profiles.
+
+Each takes the profile as measured and times its kernels at the hardware's ``compute_scale``, as
+build_tasks does; the other execution terms (latencies, issue overhead, per-call costs, transfers
+without copy/compute overlap) only lengthen the model's columns, so bounds without them hold."""
 from __future__ import annotations
 
 import collections
@@ -54,6 +58,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     the least over s of the larger of the two is what makes the bound of a vPP configuration
     with few microbatches worth having."""
     R = profile.num_layers
+    profile = profile.with_compute_scale(hw.compute_scale)
     share = batch if cfg.mode == "vPP" else max(data_shares(batch, cfg.gpus))
     cb = profile.costs("BWD", cfg.u_bwd)
     fits = np.flatnonzero(cb.pack_memory(np.arange(R), np.full(R, R - 1)) <= cap)
@@ -77,6 +82,8 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     w_in = (w_all + w_before) * per_in
     n = cfg.ranks
     _, bw_in, bw_out, _ = link_rates(hw, cfg)
+    if not hw.copy_overlap:     # tasks.py: a stashed layer's activations move at full bandwidth on the rank
+        bw_in, bw_out = hw.h2d_bandwidth, hw.d2h_bandwidth
     # a stashed layer's pack also carries what the forward compute does not hide of its
     # activations leaving (tasks.py: the same per-layer sum over the forward microbatches)
     exposed = stash_out_exposed(profile, uf, bw_out)
@@ -161,7 +168,9 @@ def _backward_work(profile: Profile, hw: Hardware, cfg: Config, ub: list[int]):
     where the pack holds layers of both signs: that sum put the bound above the best plan, on one GPU
     as on several (tests/test_bounds.py)."""
     R = profile.num_layers
-    wait = link_rates(hw, cfg)[0]       # a vDP transfer waits for the server's other replicas (tasks.py)
+    # a vDP transfer waits for the server's other replicas (tasks.py), but on the rank's one engine at full
+    # bandwidth without copy/compute overlap
+    wait = link_rates(hw, cfg)[0] if hw.copy_overlap else 1
     bwd, no_rec, moved, saved = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
     for u, k in collections.Counter(ub).items():        # at most two sizes (split_microbatches)
         c = profile.costs("BWD", u)
@@ -180,6 +189,7 @@ def compute_floor(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: 
     down by a billionth: where the two are equal, their float sums may differ in the last bit, and a
     floor above the bound would let in_bound_order visit tied configurations out of order."""
     R = profile.num_layers
+    profile = profile.with_compute_scale(hw.compute_scale)
     if not (profile.costs("BWD", cfg.u_bwd).pack_memory(np.arange(R), np.full(R, R - 1)) <= cap).any():
         return float("inf")
     share = batch if cfg.mode == "vPP" else max(data_shares(batch, cfg.gpus))
@@ -366,6 +376,7 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     if cfg.mode != "vPP" or cfg.ranks < 2:
         return 0.0
     R = profile.num_layers
+    profile = profile.with_compute_scale(hw.compute_scale)
     uf, ub = split_microbatches(batch, cfg.u_fwd), split_microbatches(batch, cfg.u_bwd)
     ok = stashable_layers(profile, hw, cfg, uf, ub) if stash_layers is None else np.asarray(stash_layers, bool)
     if stash and ok.any():
@@ -521,6 +532,8 @@ def _last_step(profile: Profile, hw: Hardware, bw_out: float) -> float:
     """At least what follows the last backward task's compute: layer 0's gradients leave and step
     (on the CPU, or its state too leaves after a GPU step, whichever is less)."""
     w, k_opt = profile.param_bytes(0, 0), profile.optimizer_bytes(0, 0)
+    if not hw.copy_overlap:     # tasks.py counts the way out in the task's load (a GPU step in its last
+        return 0.0              # microbatch): after it at least nothing
     return float(min(w / bw_out + profile.cpu_update_time(0, 0) * hw.cpu_optimizer_scale,
                      (w + k_opt) / bw_out + (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth))
 

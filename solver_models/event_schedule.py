@@ -12,6 +12,8 @@ schedules the plan's actual events, the same ones the simulator plays
   so the model decides *when*, i.e. how far ahead each swap and prefetch runs;
 * ``Cumulative`` for the host link: at most ``link_slots`` transfers per direction at
   once (per GPU when the link is not shared);
+* without copy/compute overlap (``Hardware.copy_overlap`` false, the CPU device), ``NoOverlap``
+  for each rank's compute, swap and P2P events (the simulator's one engine per rank);
 * ``Cumulative`` for each GPU's memory: a task's weights are held from the start of
   their swap-in, its working set from its first compute, both until its last event ends;
   a gradient kept on the GPU from its producer's end until its consumer's (``reservations``).
@@ -44,7 +46,7 @@ from ortools.sat.python import cp_model
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.plan import ORDERED_STREAMS, Plan, StreamOrder
 from harmony_opt.core.profile import Profile
-from harmony_opt.sim.simulator import Expansion, check_memory
+from harmony_opt.sim.simulator import ENGINE_STREAMS, Expansion, check_memory
 
 from . import cpsat
 
@@ -169,6 +171,10 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
     for ks in links.values():
         if len(ks) > slots:
             m.add_cumulative([iv[k] for k in ks], [1] * len(ks), slots)
+    engines = engine_resources(ev, hw)
+    for ks in engines.values():
+        if len(ks) > 1:
+            m.add_no_overlap([iv[k] for k in ks])
     # memory: each reservation from the start of the event that makes it to the end of the one that frees it
     held = defaultdict(list)
     for a, a_starts, k, nbytes in reservations(ev):
@@ -182,9 +188,10 @@ def solve_timeline(plan: Plan, profile: Profile, hw: Hardware, *, time_limit: fl
             m.add_cumulative([i for i, _ in items], [int(b) for _, b in items], cap)
     # no schedule of these events ends before floor (precedences, streams, the link as one machine):
     # stated, it lets CP-SAT stop as soon as the hint is within its gap of it
-    floor = _floor_ticks(ev, queues, ticks, links.values(), slots, ordered)
+    floor = _floor_ticks(ev, queues, ticks, links.values(), slots, ordered, engines.values())
     # the same with the transfers in any order: no order of them beats it
-    order_floor = floor if order == "free" else _floor_ticks(ev, queues, ticks, links.values(), slots, by_plan)
+    order_floor = floor if order == "free" else _floor_ticks(ev, queues, ticks, links.values(), slots, by_plan,
+                                                            engines.values())
     order_bound = order_floor / SCALE
     T = m.new_int_var(min(floor, horizon), horizon, "makespan")
     m.add_max_equality(T, end)
@@ -255,11 +262,22 @@ def link_resources(ev, hw: Hardware) -> dict:
     return links
 
 
-def _floor_ticks(ev, queues, ticks, links=(), slots: int = 1, ordered=None) -> int:
+def engine_resources(ev, hw: Hardware) -> dict:
+    """Events by the rank whose one engine runs them one at a time (the simulator's
+    ``ENGINE_STREAMS``); none where the hardware overlaps copies with compute."""
+    engines = defaultdict(list)
+    if not hw.copy_overlap:
+        for k, e in enumerate(ev):
+            if e.stream in ENGINE_STREAMS:
+                engines[e.rank].append(k)
+    return engines
+
+
+def _floor_ticks(ev, queues, ticks, links=(), slots: int = 1, ordered=None, engines=()) -> int:
     """The makespan no schedule of ``ev`` beats: the longest path through the model's precedences
     (dependencies, prefetch start links, the order of the ``ordered`` streams, by default all), the
-    busiest stream's total, and each link's one-machine bound (``one_machine_bound``: its transfers,
-    which the path lets run side by side on different streams and GPUs, queue on it)."""
+    busiest stream's (or engine's) total, and each link's one-machine bound (``one_machine_bound``:
+    its transfers, which the path lets run side by side on different streams and GPUs, queue on it)."""
     ordered = queues if ordered is None else ordered
     fifo = {b: a for q in ordered.values() for a, b in zip(q, q[1:])}    # b starts after a ends
     dur = [ticks(e.duration) for e in ev]
@@ -276,7 +294,7 @@ def _floor_ticks(ev, queues, ticks, links=(), slots: int = 1, ordered=None) -> i
         for d in ev[k].start_deps:
             rest[d] = max(rest[d], rest[k])
     path = max((h + r for h, r in zip(head, rest)), default=0)
-    busiest = max((sum(dur[k] for k in q) for q in queues.values()), default=0)
+    busiest = max((sum(dur[k] for k in q) for q in [*queues.values(), *engines]), default=0)
     # c slots of a link do at most what one machine c times as fast does, preemption allowed
     machine = max((one_machine_bound([slots * head[k] for k in ks], [dur[k] for k in ks],
                                      [slots * (rest[k] - dur[k]) for k in ks]) // slots for ks in links), default=0)

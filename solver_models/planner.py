@@ -182,12 +182,15 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
     # between the servers' host memories as the plan places the packs: each plan is checked)
     if hw.servers == 1:
         model_host_memory(profile).check(hw, f"every plan of {profile.name}")
+    ident = plan_ident(profile, hw)
+    if opts.cost_model != "default":    # Harmony's simulator charges no execution terms: nor does the model of it
+        hw = hw.without_execution_terms()
     t_start = time.perf_counter()
     S = Search(profile, hw, batch, int(memory_cap or hw.gpu_memory_bytes), opts,
                 # the rest: the report, and what the charges miss
                 Budget(0.9 * opts.time_limit, None if opts.wall_limit is None else 0.9 * opts.wall_limit),
                 report or (lambda s: None),
-                plan_ident(profile, hw),
+                ident,
                 host_check=may_bind(profile, hw, batch))
     with pool.processes(S):
         if incumbent is None:
@@ -270,7 +273,7 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
     }
     return best_plan.replace(planner="cp-sat", simulated_iteration_time_s=best_t,
                              search_time_s=time.perf_counter() - t_start, solver=solver,
-                             stats={"efficiency": lb["bound_s"] / best_t})
+                             stats={"efficiency": lb["bound_s"] / best_t}, **ident)
 
 
 def _model_value_of(p: Plan, profile, hw, batch, cap) -> float | None:

@@ -83,7 +83,8 @@ class Search:
         if cfg.u_fwd != cfg.u_bwd:     # a stashed autograd graph cannot be re-batched: the runtime would run
             return False                # the pack's backward at the forward's microbatch, as no model here does
         uf, ub = (split_microbatches(self.batch, u) for u in (cfg.u_fwd, cfg.u_bwd))
-        return cfg.ranks == 1 or bool(stashable_layers(self.profile, self.hw, cfg, uf, ub).any())
+        timed = self.profile.with_compute_scale(self.hw.compute_scale)      # as build_tasks times it
+        return cfg.ranks == 1 or bool(stashable_layers(timed, self.hw, cfg, uf, ub).any())
 
     @property
     def timeline_share(self) -> float:  # of the budget, kept for the timeline model

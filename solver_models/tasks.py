@@ -15,10 +15,23 @@ The quantities follow the default simulator's rules (harmony_opt/sim/simulator.p
 * ``mem`` / ``wb``: the bytes the task holds / those reserved when its weights start coming in;
 * ``tail``: from the last compute to the moment the task frees its memory (last output
   transfer, all-reduce and gradient swap-out); ``upd``: the CPU optimizer step after that;
-* ``h2d`` / ``d2h``: bytes over the host link, for the link's capacity;
+* ``h2d`` / ``d2h``: bytes over the host link, for the link's capacity; ``h2d_n`` / ``d2h_n``: how
+  many transfers carry them (each pays the hardware's per-transfer latency on the link);
 * ``host``: the activation buffers the task adds to host memory, all replicas together
   (harmony_opt/sim/host_memory.py): its output or gradient handed on through host memory, a backward
   pack's stashed input or saved activations, the data for the first task.
+
+The hardware's execution terms (docs/cost_model.md) are charged as the simulator charges them:
+kernel times at ``compute_scale`` (from ``Profile.with_compute_scale``) plus ``issue_overhead_s`` per
+compute instruction, a transfer's latency on top of its bytes, ``cpu_optimizer_call_s`` per CPU step,
+the all-reduce at ``collective_bandwidth``. Without ``copy_overlap`` a rank runs its transfers one
+at a time with its compute, so a task's ``load`` also holds every transfer it makes on its rank (its
+weights, inputs, outputs, all-reduce and gradients), a stashed microbatch waits for its saved
+activations and then computes (the transfers at their full bandwidth: in vDP the other replicas
+compute meanwhile, the link's capacity bounds each phase as with overlap), and ``w_load`` and
+``tail`` are 0 (nothing of them overlaps the
+rank's other work; a task's memory waits for the one before it cost no more than that rank's
+serial work).
 
 In vDP the replicas run in lockstep on one shared host link: their simultaneous transfers take
 turns, and since the replicas meet at every backward pack's all-reduce, the one served last sets
@@ -103,6 +116,8 @@ class TaskTable:
     d2h: np.ndarray           # bytes out of the GPU ...
     d2h_fwd: np.ndarray       # ... of which during the forward phase (a backward pack's stashed input)
     host: np.ndarray          # bytes of activation buffers in host memory (all replicas)
+    h2d_n: np.ndarray         # transfers into the GPU (each pays Hardware.h2d_latency_s)
+    d2h_n: np.ndarray         # transfers out of the GPU (Hardware.d2h_latency_s)
     _index: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self):
@@ -141,6 +156,7 @@ class Tasks:
     cuts: np.ndarray                   # boundaries where packs may start/end (all, unless coarsened)
     host_budget: int | None = None     # MiB of host memory left for the tasks' ``host`` (None: cannot bind)
     per_start: int = MAX_ARCS_PER_START   # candidate packs per start boundary (the longest), build_tasks'
+    latency: tuple[float, float] = (0.0, 0.0)   # seconds per transfer in and out (Hardware.h2d/d2h_latency_s)
     _ticks: dict | None = dataclasses.field(default=None, repr=False)
 
     def ticks(self) -> dict:
@@ -153,8 +169,15 @@ class Tasks:
         if self._ticks is None:
             t = self.table
             d = {f: np.round(getattr(t, f) * TICKS_PER_S).astype(np.int64) for f in TIME_COLUMNS}
-            d["link_in"] = np.round(self.link_copies * t.h2d / self.link_bw[0] * TICKS_PER_S).astype(np.int64)
-            d["link_out"] = np.round(self.link_copies * t.d2h / self.link_bw[1] * TICKS_PER_S).astype(np.int64)
+            lat_in, lat_out = self.latency
+            busy_in = self.link_copies * t.h2d / self.link_bw[0]
+            busy_out = self.link_copies * t.d2h / self.link_bw[1]
+            if lat_in:          # a transfer holds the link for its latency too
+                busy_in = busy_in + self.link_copies * t.h2d_n * lat_in
+            if lat_out:
+                busy_out = busy_out + self.link_copies * t.d2h_n * lat_out
+            d["link_in"] = np.round(busy_in * TICKS_PER_S).astype(np.int64)
+            d["link_out"] = np.round(busy_out * TICKS_PER_S).astype(np.int64)
             d["link_out_fwd"] = np.round(self.link_copies * t.d2h_fwd / self.link_bw[1] * TICKS_PER_S).astype(np.int64)
             # what timing.forward_queue counts: outputs and checkpoints (a stashed pack's saved activations
             # leave as the forward computes them, during later forward packs too)
@@ -299,21 +322,23 @@ def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int
     docstring): a forward pack starting at b, the criterion pack [b, R-1], a backward pack ending at
     b - 1 (its dY; the task of a stashed pack adds its saved activations' first transfer)."""
     copies, bw_in, bw_out, p2p = link_rates(hw, cfg)
+    lat_in, lat_out = hw.h2d_latency_s, hw.d2h_latency_s
     # a round trip through host memory: the replica served last waits for every replica's way out,
     # but by then the others' ways back are done, so its own way back runs alone
     bw_back = bw_in * copies
 
     def handoff(x):
         """Latency of moving one microbatch's activation to the next task (on another GPU if p2p)."""
-        return x / p2p if p2p > 0 else x / bw_out + x / bw_back
+        return x / p2p if p2p > 0 else x / bw_out + lat_out + x / bw_back + lat_in
     R = profile.num_layers
     b = np.arange(R)
     x_f = profile.costs("FWD", uf_list[0]).input[:R]
     x_b = profile.costs("BWD", ub_list[0]).input[:R]
     y_src = profile.costs("FWD", uf_list[-1]).input[:R]
     rebatch = cfg.u_fwd != cfg.u_bwd
-    hf = np.where(b == 0, x_f / bw_in, handoff(x_f))
-    hc = np.where(b == 0, x_b / bw_in, y_src / bw_out + x_b / bw_back if (rebatch or p2p == 0) else y_src / p2p)
+    hf = np.where(b == 0, x_f / bw_in + lat_in, handoff(x_f))
+    hc = np.where(b == 0, x_b / bw_in + lat_in,
+                  y_src / bw_out + lat_out + x_b / bw_back + lat_in if (rebatch or p2p == 0) else y_src / p2p)
     hb = np.zeros(R) if pin_b else handoff(x_b)
     return hf, hc, hb
 
@@ -330,6 +355,9 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     (memory rules unchanged: a task's working set already holds the one tensor kept); at most
     ``per_start`` packs per start boundary, the longest."""
     R = profile.num_layers
+    profile = profile.with_compute_scale(hw.compute_scale)
+    issue, lat_in, lat_out = hw.issue_overhead_s, hw.h2d_latency_s, hw.d2h_latency_s
+    serial = not hw.copy_overlap
     cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
     shares = [batch] if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)
     uf_list, ub_list = split_microbatches(shares[0], cfg.u_fwd), split_microbatches(shares[0], cfg.u_bwd)
@@ -351,7 +379,13 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
 
     def send(x):
         """Time until the sender is rid of an output: P2P, or its swap-out to host."""
-        return x / p2p if p2p > 0 else x / bw_out
+        return x / p2p if p2p > 0 else x / bw_out + lat_out
+
+    def moves(h2d, d2h, h2d_n, d2h_n, p2p_bytes, ard=0.0):
+        """Without copy/compute overlap: the time a task's transfers take on its rank, each at its full
+        bandwidth (the module docstring)."""
+        return h2d / hw.h2d_bandwidth + d2h / hw.d2h_bandwidth + h2d_n * lat_in + d2h_n * lat_out + \
+            (p2p_bytes / p2p if p2p > 0 else 0.0) + ard
 
     parts = []
     # ---- forward packs over 0 .. R-2 (the criterion pack holds R-1)
@@ -363,19 +397,28 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     y_all = total("FWD", uf_list, lambda c: c.input[fe + 1])
     via_host = p2p == 0
     fwd_mem = np.asarray(cf.pack_memory(fs, fe), np.float64)
+    mf, mb = len(uf_list), len(ub_list)
+    f_h2d = wb + np.where((fs == 0) | via_host, x_all, 0)
+    f_d2h = np.where(via_host, y_all, 0)
+    f_h2d_n = 1 + mf * ((fs == 0) | via_host)
+    f_d2h_n = np.full(len(fs), mf * via_host)
+    f_load = total("FWD", uf_list, lambda c: c.pack_time(fs, fe)) + mf * issue
+    if serial:
+        f_load = f_load + moves(f_h2d, f_d2h, f_h2d_n, f_d2h_n, np.where(via_host, 0, y_all))
 
     def buffers(phase, at):
         """Bytes of the activations at layer boundaries ``at`` of every sample (host buffers)."""
         return total(phase, every_f if phase == "FWD" else every_b, lambda c: c.input[at])
     parts.append(_table(
         F, fs, fe, True, False,
-        p_first=cf_first.pack_time(fs, fe), p_last=cf_last.pack_time(fs, fe),
-        load=total("FWD", uf_list, lambda c: c.pack_time(fs, fe)),
+        p_first=cf_first.pack_time(fs, fe) + issue, p_last=cf_last.pack_time(fs, fe) + issue,
+        load=f_load,
         hop_in=hf[fs],
-        w_load=wb / bw_in, mem=fwd_mem, wb=wb, tail=send(y_last), upd=0.0,
-        h2d=wb + np.where((fs == 0) | via_host, x_all, 0), d2h=np.where(via_host, y_all, 0),
-        d2h_fwd=np.where(via_host, y_all, 0),
-        host=np.where(fs == 0, buffers("FWD", 0), 0) + np.where(via_host, buffers("FWD", fe + 1), 0)))
+        w_load=0.0 if serial else wb / bw_in + lat_in, mem=fwd_mem, wb=wb, tail=0.0 if serial else send(y_last),
+        upd=0.0,
+        h2d=f_h2d, d2h=f_d2h, d2h_fwd=f_d2h,
+        host=np.where(fs == 0, buffers("FWD", 0), 0) + np.where(via_host, buffers("FWD", fe + 1), 0),
+        h2d_n=f_h2d_n, d2h_n=f_d2h_n))
 
     # ---- backward packs (variants) and the criterion pack
     rebatch = cfg.u_fwd != cfg.u_bwd
@@ -385,20 +428,24 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         w = profile.param_bytes(s, e)
         k_opt = profile.optimizer_bytes(s, e)
         wbb = w + profile.buffer_bytes(s, e)
-        p_first, p_last = cb_first.pack_time(s, e), cb_last.pack_time(s, e)
-        load = total("BWD", ub_list, lambda c: c.pack_time(s, e))
+        # a microbatch's instructions: the recompute and the backward, or the backward alone
+        issues = (2 if recompute else 1) * issue
+        p_first, p_last = cb_first.pack_time(s, e) + issues, cb_last.pack_time(s, e) + issues
+        load = total("BWD", ub_list, lambda c: c.pack_time(s, e)) + mb * issues
         hop_extra = 0.0
         if not recompute:     # the backward skips the forward it would recompute ...
             def fwd_of(c):
                 return np.minimum(forward_costs(profile, c.u).pack_time(s, e), c.pack_time(s, e))
 
             def step(c):      # ... but each microbatch waits for its saved activations to come in
-                return np.maximum(c.pack_time(s, e) - fwd_of(c), c.pack_saved(s, e) / bw_in)
+                if serial:    # (then computes; the transfer at its full bandwidth, on the rank's one engine)
+                    return c.pack_time(s, e) - fwd_of(c) + c.pack_saved(s, e) / hw.h2d_bandwidth + lat_in + issues
+                return np.maximum(c.pack_time(s, e) - fwd_of(c), c.pack_saved(s, e) / bw_in + lat_in) + issues
             p_first, p_last = step(cb_first), step(cb_last)
             load = total("BWD", ub_list, step)
-            hop_extra = cb_first.pack_saved(s, e) / bw_in
-            # the forward packs send them out: what the forward compute does not hide, layer by layer
-            load = load + exposed[e + 1] - exposed[s]
+            hop_extra = cb_first.pack_saved(s, e) / bw_in + lat_in
+            if not serial:    # the forward packs send them out: what the forward compute does not hide
+                load = load + exposed[e + 1] - exposed[s]
         mem = np.asarray(cb.pack_memory(s, e), np.float64)
         # input: the loss pack's from the last forward pack (re-batched through host when the sizes
         # differ), a backward pack's dY from the previous backward pack; the first pack's from host
@@ -407,7 +454,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         dx = np.where(s > 0, 0.0 if pin_b else send(cb_last.input[s]), 0.0)
         ard = hw.allreduce_time(w, n) if replicas > 1 else np.zeros(len(s))
         if gpu_opt:
-            step = (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth
+            step = (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth + issue
             p_last, load = p_last + step, load + step
             grads = (w + k_opt) / replicas
             upd = np.zeros(len(s))
@@ -416,7 +463,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
             upd = profile.cpu_update_time(s, e) * hw.cpu_optimizer_scale / replicas
             if cfg.mode == "vDP" and n > 1 and replicas == 1:
                 upd = upd + (n - 1) * w / hw.host_copy_bandwidth / n
-        grad_out = ard + grads / bw_out
+            upd = upd + hw.cpu_optimizer_call_s
+        grad_out = ard + grads / bw_out + lat_out
         tail = dx + grad_out if chain else np.maximum(dx, grad_out)
         # bytes over the host link: weights (+ state), stashed input or activations, dY/dX via host
         stash_in = total("BWD", ub_list, (lambda c: c.input[s]) if recompute else (lambda c: c.pack_saved(s, e)))
@@ -428,6 +476,15 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         dx_all = np.where(s > 0, total("BWD", ub_list, lambda c: c.input[s]), 0) if not pin_b else 0
         h2d = wbb + (k_opt if gpu_opt else 0) + stash_in + (dy_all if via_host else 0)
         d2h = grads + stash_out + np.where(via_host, dx_all, 0)
+        # how many transfers: the weights (and state), per microbatch the stashed input or activations
+        # (one per forward microbatch out), dY in and dX out through host memory; the gradients out
+        h2d_n = 1 + int(gpu_opt) + mb * (1 if kind == B else ((s == 0) | via_host | rebatch)) + \
+            (mb if kind == B and not pin_b and via_host else 0)
+        d2h_n = 1 + (mf if kind == B else 0) + np.where((s > 0) & via_host & (not pin_b), mb, 0)
+        if serial:            # (a stashed pack's saved activations coming in are in its steps already)
+            stepped = 0 if recompute else stash_in
+            load = load + moves(h2d - stepped, d2h, h2d_n - (0 if recompute else mb), d2h_n,
+                                np.where((s > 0) & (not via_host) & (not pin_b), dx_all, 0), ard)
         # host buffers: dX handed on through host memory; the stashed input (layer 0's is the data) or
         # saved activations; the loss pack's: the data, or its input re-batched through host memory
         host = np.where((s > 0) & via_host & (not pin_b), buffers("BWD", s), 0)
@@ -437,10 +494,12 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
             host = host + np.where(s > 0, buffers("BWD", s), 0)
         else:
             host = host + total("BWD", every_b, lambda c: c.pack_saved(s, e))
+        w_load = (wbb + (k_opt if gpu_opt else 0)) / bw_in + (1 + int(gpu_opt)) * lat_in
+        if serial:
+            w_load, tail = 0.0, 0.0
         return _table(kind, s, e, recompute, gpu_opt, p_first=p_first, p_last=p_last, load=load, hop_in=hop,
-                      w_load=(wbb + (k_opt if gpu_opt else 0)) / bw_in,
-                      mem=mem + (k_opt if gpu_opt else 0), wb=wbb, tail=tail, upd=upd, h2d=h2d, d2h=d2h,
-                      d2h_fwd=stash_out, host=host)
+                      w_load=w_load, mem=mem + (k_opt if gpu_opt else 0), wb=wbb, tail=tail, upd=upd, h2d=h2d, d2h=d2h,
+                      d2h_fwd=stash_out, host=host, h2d_n=h2d_n, d2h_n=d2h_n)
 
     stash_ok = stash and R <= MAX_LAYERS_WITH_STASH
     # packs whose every layer may stash (stashable_layers): a prefix count of those that may not
@@ -469,7 +528,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     # every replica's bytes over the links' capacity (link_capacity: every server's link together)
     return Tasks(cfg, table, R, int(cap), link_capacity(hw, n),
                  n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1,
-                 saved, cuts, host_budget(profile, hw, batch), per_start)
+                 saved, cuts, host_budget(profile, hw, batch), per_start, (lat_in, lat_out))
 
 
 def host_budget(profile: Profile, hw: Hardware, batch: int) -> int | None:

@@ -11,6 +11,7 @@ exact optimum of the same model, by enumeration of every plan (tests/planner_cas
 ``every_plan``); and the planner's reported bounds against the objectives they bound."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -160,6 +161,36 @@ def test_every_bound_is_below_the_optimum_of_its_model(R, seed, fwd, bwd, gpus, 
             check_configuration(profile, hw, batch, cfg, cap, stash, solve=cfg.ranks == 1 and stash)
 
 
+#: The hardware's execution terms (docs/cost_model.md), drawn: kernels faster than profiled too, where a
+#: bound from the profile's times alone would pass the plans
+TERMS = st.fixed_dictionaries({
+    "copy_overlap": st.booleans(), "h2d_latency_s": st.sampled_from([0.0, 2e-5, 1e-3]),
+    "d2h_latency_s": st.sampled_from([0.0, 2e-5, 1e-3]), "compute_scale": st.sampled_from([0.2, 0.6, 1.0, 3.0]),
+    "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3, 2e-2]), "issue_overhead_s": st.sampled_from([0.0, 5e-5, 2e-3]),
+    "collective_bandwidth": st.sampled_from([None, 1e8, 1e11])})
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow],
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@given(st.integers(3, 4), st.integers(0, 10**6), SIZES, SIZES, st.integers(1, 3), st.sampled_from([5e8, 6e9]),
+       st.sampled_from([0.0, 1e10]), st.sampled_from([2, 4, 8]), st.floats(0.3, 2.0),
+       st.lists(st.integers(0, 10**4), min_size=1, max_size=2), TERMS)
+@example(R=3, seed=21, fwd=[1, 2, 4, 8], bwd=[1, 2, 4, 8], gpus=2, link=6e9, p2p=1e10, batch=8,
+         tight=1.4639499222238497, picks=[407, 1073],
+         terms={"copy_overlap": False, "h2d_latency_s": 2e-5, "d2h_latency_s": 2e-5, "compute_scale": 0.2,
+                "cpu_optimizer_call_s": 1e-3, "issue_overhead_s": 5e-5, "collective_bandwidth": 1e8})
+def test_every_bound_holds_with_the_hardwares_execution_terms(R, seed, fwd, bwd, gpus, link, p2p, batch, tight, picks,
+                                                             terms):
+    """The bounds scale the kernel times as the model does (compute_scale below 1 too) and leave out the
+    terms that only lengthen it: each still at most the exact optimum of its configuration."""
+    profile, hw, cap = instance(R, seed, fwd, bwd, gpus, link, p2p, batch, tight)
+    hw = dataclasses.replace(hw, **terms)
+    configs = configurations(profile, hw, batch, PlannerOptions(uneven=True))
+    for cfg in dict.fromkeys(configs[k % len(configs)] for k in picks):
+        for stash in (False, True):
+            check_configuration(profile, hw, batch, cfg, cap, stash)
+
+
 def _stash_profile(fwd, bwd, name="stash"):
     """One microbatch size, a layer per entry of ``fwd`` / ``bwd`` seconds; little memory, little traffic."""
     R = len(fwd)
@@ -215,7 +246,14 @@ def test_the_planner_reports_bounds_below_what_they_bound(R, seed, batch, tight,
     """On one CPU-like device (a link as fast as a memory copy): the bound over every configuration
     searched is at most the chosen plan's model objective, the chosen configuration's bound at most
     its objective, and the lower bound over all plans at most the plan's simulated time."""
+    check_planner_bounds(R, seed, batch, tight, mode)
+
+
+def check_planner_bounds(R, seed, batch, tight, mode, terms=None):
+    """The planner's reported bounds against what they bound (``terms``: the hardware's execution terms)."""
     profile, hw, cap = instance(R, seed, [1, 2, 4, 8], [1, 2, 4, 8], 1, 6e9, 0.0, batch, tight)
+    if terms:
+        hw = dataclasses.replace(hw, **terms)
     try:
         p = plan(profile, hw, batch, PlannerOptions(mode=mode, time_limit=1.0), memory_cap=cap)
     except InfeasibleError:             # the compiled program does not fit the cap (harmony_opt.core.memory)
@@ -229,6 +267,13 @@ def test_the_planner_reports_bounds_below_what_they_bound(R, seed, batch, tight,
         assert s["bound"] <= s["objective"] + tol
     assert s["lower_bound_s"] <= p.simulated_iteration_time_s
 
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(3, 6), st.integers(0, 10**6), st.sampled_from([4, 8]), st.floats(0.4, 3.0),
+       st.sampled_from(["auto", "vDP"]), TERMS)
+def test_the_planner_reports_bounds_below_what_they_bound_with_execution_terms(R, seed, batch, tight, mode, terms):
+    """As above, on the device with the hardware's execution terms (kernels faster than profiled too)."""
+    check_planner_bounds(R, seed, batch, tight, mode, terms)
 
 
 @settings(max_examples=15, deadline=None)

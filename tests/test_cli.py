@@ -252,3 +252,15 @@ def test_plan_says_whether_it_carries_the_timeline_models_order_of_the_swaps():
     none = "\n".join(solver_summary({"timeline": {**tl, "transfer_order": {**step7, "streams": 0, "kept": False}}}))
     assert none.endswith("no faster order found: the plan keeps Harmony's")
     assert "choosing the order" not in "\n".join(solver_summary({"timeline": {**tl, "transfer_order": None}}))
+
+
+@pytest.mark.parametrize("line,fragment", [("compute_scale = 0", "compute_scale must be a finite number > 0"),
+                                           ("h2d_latency_s = -1", "h2d_latency_s must be a finite number of seconds")])
+def test_a_bad_execution_term_in_a_hardware_file_is_exit_2(capsys, tmp_path, line, fragment):
+    from harmony_opt.core.hardware import PRESETS
+    f = PRESETS["1080ti-x4"].save(tmp_path / "hw.toml")
+    f.write_text(f.read_text() + line + "\n")
+    rc, _, err = run(capsys, "baseline", "--planner", "l2l", "--profile", "gpt2_medium", "--batch", "8",
+                     "--hardware", str(f))
+    assert rc == 2 and fragment in err and str(f) in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -229,3 +229,30 @@ def test_under_harmonys_cost_model_the_timeline_model_stays_out():
     p = plan(prof, hw, 8, PlannerOptions(mode="vPP", gpus=2, time_limit=2, harmony_space=True, cost_model="harmony"))
     assert p.cost_model == "harmony" and p.solver["timeline"] is None and p.transfer_order is None
     assert p.solver["speedup_over_harmony"] >= 1 - 1e-9
+
+
+def test_timeline_model_runs_a_ranks_events_one_at_a_time_without_copy_overlap():
+    """copy_overlap false: the timeline model keeps each rank's compute, swap and P2P events apart, as
+    the simulator's one engine per rank does: the simulator's schedule stays feasible (the model's
+    makespan at most the simulated time), its floor counts each engine's whole work, and its schedule
+    overlaps none of them."""
+    import dataclasses
+
+    from harmony_opt.sim.simulator import ENGINE_STREAMS, Expansion
+    from harmony_opt.solver_models.event_schedule import solve_timeline
+    prof = synthetic_profile(R=6, seed=3)
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(2), copy_overlap=False, h2d_latency_s=1e-4,
+                             d2h_latency_s=1e-4, issue_overhead_s=2e-4)
+    p = Plan("t", "vPP", 2, 8, 2, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    r = solve_timeline(p, prof, hw, time_limit=5)
+    sim = Expansion(p, prof, hw, hw.gpu_memory_bytes, p.prefetch)
+    sim.build()
+    busy = {}
+    for e in sim.events:
+        if e.stream in ENGINE_STREAMS:
+            busy[e.rank] = busy.get(e.rank, 0.0) + e.duration
+    assert max(busy.values()) - 1e-5 <= r.bound_s <= r.makespan_s <= r.simulated_s + 1e-6
+    for rank in busy:
+        spans = sorted((r.starts[k], r.starts[k] + e.duration) for k, e in enumerate(sim.events)
+                       if e.rank == rank and e.stream in ENGINE_STREAMS and e.duration > 0)
+        assert all(b[0] >= a[1] - 2e-6 for a, b in zip(spans, spans[1:]))

@@ -134,6 +134,24 @@ def test_iteration_floor_never_exceeds_the_simulated_time(case):
         assert iteration_floor(plan, profile, hw) <= t * (1 + 1e-7), (plan.microbatch_fwd, plan.input_batch_grouping)
 
 
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(max_layers=8), scale=st.sampled_from([0.05, 0.5, 2.0]), overlap=st.booleans())
+def test_iteration_floor_holds_with_the_hardwares_execution_terms(case, scale, overlap):
+    """Kernels faster than profiled (compute_scale below 1), latencies, issue and call costs, no
+    copy/compute overlap: the floor scales the kernel times as the simulator does."""
+    from harmony_opt.planners.baselines import iteration_floor
+    from harmony_opt.core.errors import PlanError
+    from harmony_opt.sim.simulator import simulate
+    for profile, hw, plan in _layerwise_plans(case):
+        hw = dataclasses.replace(hw, compute_scale=scale, copy_overlap=overlap, h2d_latency_s=1e-5, d2h_latency_s=1e-5,
+                                 issue_overhead_s=1e-5, cpu_optimizer_call_s=1e-4)
+        try:
+            t = simulate(plan, profile, hw, with_timeline=False).iteration_time
+        except PlanError:
+            continue
+        assert iteration_floor(plan, profile, hw) <= t * (1 + 1e-7), (plan.microbatch_fwd, plan.input_batch_grouping)
+
+
 def test_iteration_floor_is_tight_enough_to_skip_sizes():
     """On a long model, per-microbatch swapping at microbatch 1 cannot beat the largest size: the bound
     shows it without simulating (it is what makes naive-swap fast at hundreds of layers)."""

@@ -47,3 +47,45 @@ def test_bad_hardware_files(tmp_path, body, fragment):
 def test_unknown_preset():
     with pytest.raises(HardwareError, match="unknown hardware 'gtx9000'"):
         get_hardware("gtx9000")
+
+
+TERMS = dict(copy_overlap=False, h2d_latency_s=2e-5, d2h_latency_s=3e-5, compute_scale=0.75,
+             cpu_optimizer_call_s=1e-3, issue_overhead_s=5e-5, collective_bandwidth=2e9)
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_execution_terms_round_trip_through_files(tmp_path, suffix):
+    import dataclasses
+    hw = dataclasses.replace(PRESETS["1080ti-x4"], **TERMS)
+    back = Hardware.load(hw.save(tmp_path / f"hw{suffix}"))
+    assert back == hw and not back.neutral_terms
+    assert back.all_reduce_bandwidth == 2e9 and PRESETS["1080ti-x4"].all_reduce_bandwidth == 8.2 * GiB
+    assert back.without_execution_terms() == PRESETS["1080ti-x4"]
+
+
+def test_neutral_terms_are_left_out_of_what_plans_record_and_files_hold(tmp_path):
+    """A description at the defaults reads and writes as before the terms existed (plans record it)."""
+    hw = PRESETS["1080ti-x4"]
+    assert hw.neutral_terms and not set(hw.to_dict()) & set(TERMS)
+    text = hw.save(tmp_path / "hw.toml").read_text()
+    assert not any(k in text for k in TERMS)
+    assert Hardware.from_dict(hw.to_dict()) == hw
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ("h2d_latency_s = -1e-6", "h2d_latency_s must be a finite number of seconds >= 0, got -1e-06"),
+    ("d2h_latency_s = \"fast\"", "field d2h_latency_s must be a number (seconds), got 'fast'"),
+    ("compute_scale = 0", "compute_scale must be a finite number > 0, got 0"),
+    ("compute_scale = -2.0", "compute_scale must be a finite number > 0"),
+    ("cpu_optimizer_call_s = -0.001", "cpu_optimizer_call_s must be a finite number of seconds >= 0"),
+    ("issue_overhead_s = inf", "issue_overhead_s must be a finite number of seconds >= 0, got inf"),
+    ("collective_bandwidth = 0", "collective_bandwidth must be a positive finite bandwidth"),
+    ("copy_overlap = 1", "field copy_overlap must be true or false, got 1"),
+])
+def test_bad_execution_terms_are_refused_in_one_line(tmp_path, line, fragment):
+    f = tmp_path / "hw.toml"
+    f.write_text(PRESETS["h100-x1"].save(tmp_path / "base.toml").read_text() + line + "\n")
+    with pytest.raises(HardwareError) as e:
+        Hardware.load(f)
+    msg = str(e.value)
+    assert fragment in msg and msg.startswith(str(f)) and "\n" not in msg

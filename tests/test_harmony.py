@@ -426,3 +426,34 @@ def test_task_memory_formula(bert96):
     assert task_memory(G, 1, bert96) == 2 * x[50] + b.pack_memory(50, 99) + x[50]
     assert task_memory(G, 3, bert96) == 2 * x[0] + x[50] + b.pack_memory(0, 49)
     assert task_memory(G, 2, bert96) == 0
+
+
+def test_harmonys_cost_model_ignores_the_hardwares_execution_terms():
+    """Harmony's simulator takes no Hardware, and the planners under its cost model (Harmony's search,
+    ours) decide the same plan with or without the execution terms; only the hardware they record
+    differs. Under the default cost model the same terms change the simulated time."""
+    import dataclasses
+    import json
+
+    from harmony_opt.core.hardware import get_hardware
+    from harmony_opt.planners.registry import get_planner
+    from harmony_opt.sim.simulator import simulate
+    from conftest import synthetic_profile
+
+    prof = synthetic_profile(R=6, seed=1)
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+    cpu = dataclasses.replace(hw, copy_overlap=False, h2d_latency_s=2e-5, d2h_latency_s=2e-5, compute_scale=0.5,
+                              cpu_optimizer_call_s=1e-3, issue_overhead_s=5e-5, collective_bandwidth=1e9)
+
+    def decisions(p):
+        d = json.loads(p.to_json())
+        for k in ("solver", "hardware", "search_time_s"):
+            d.pop(k, None)
+        return d
+    for name, opts in (("harmony", {"mode": "vPP"}), ("cp-sat", {"time_limit": 0.5})):
+        a, b = (get_planner(name)(prof, h, 8, 10 * 2**30, gpus=2, cost_model="harmony", **opts) for h in (hw, cpu))
+        assert decisions(a) == decisions(b), name
+        assert a.simulated_iteration_time_s == b.simulated_iteration_time_s
+        assert b.hardware["copy_overlap"] is False and "copy_overlap" not in a.hardware
+        default = a.replace(cost_model="default")
+        assert simulate(default, prof, cpu).iteration_time != simulate(default, prof, hw).iteration_time

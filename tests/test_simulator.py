@@ -15,6 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 from harmony_opt import PlanError, get_hardware, load_profile
 from harmony_opt.core.plan import ORDERED_STREAMS, PackOptions, Plan, data_shares
+from harmony_opt.core.profile import Profile
+from harmony_opt.sim.bound import lower_bound
 from harmony_opt.sim.simulator import Expansion, check_memory, count_events, simulate, tasks_of
 from harmony_opt.sim.taskgraph import SOURCE_TENSOR, Medium, TaskKind, Tensor, link_bytes, task_graph
 
@@ -348,3 +350,106 @@ def test_the_simulator_plays_the_plans_transfer_order():
     from harmony_opt.harmony import simulate_harmony
     with pytest.raises(PlanError, match="Harmony's simulator swaps in Harmony's order only"):
         simulate_harmony(q, prof)
+
+
+# -- the hardware's execution terms (docs/cost_model.md) ---------------------------------------------------
+def _one_task():
+    """One GPU, one backward pack holding the whole model (the loss pack: a recompute and a backward per
+    microbatch), one microbatch, a CPU optimizer step: every event waits for the one before it (the
+    weights and the data share the one link slot), so the iteration is their sum."""
+    prof = synthetic_profile(R=3)
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(1), p2p_bandwidth=0.0)
+    return prof, hw, Plan("t", "vPP", 1, 2, 2, 2, [], [(0, 2)], 3)
+
+
+def test_the_one_task_plan_is_the_sum_of_its_events():
+    prof, hw, plan = _one_task()
+    tl = simulate(plan, prof, hw)
+    w = int(prof.param_bytes(0, 2))
+    by = tl.events.groupby("kind").duration.sum() if "duration" in tl.events else \
+        (tl.events.end - tl.events.start).groupby(tl.events.kind).sum()
+    want = (w + int(prof.costs("BWD", 2).input[0])) / hw.h2d_bandwidth + prof.bwd_time(0, 2, 2) \
+        + w / hw.d2h_bandwidth + float(prof.cpu_update_time(0, 2))
+    assert tl.iteration_time == pytest.approx(want, rel=1e-12)
+    assert by["BWD"] == pytest.approx(prof.bwd_time(0, 2, 2), rel=1e-12)
+
+
+@pytest.mark.parametrize("term, value, delta", [
+    ("h2d_latency_s", 3e-4, lambda p, v: 2 * v),                      # the weights and the data come in
+    ("d2h_latency_s", 3e-4, lambda p, v: v),                          # the gradients go out
+    ("compute_scale", 0.5, lambda p, v: (v - 1) * p.bwd_time(0, 2, 2)),
+    ("compute_scale", 2.5, lambda p, v: (v - 1) * p.bwd_time(0, 2, 2)),
+    ("issue_overhead_s", 2e-4, lambda p, v: 2 * v),                   # the recompute and the backward
+    ("cpu_optimizer_call_s", 1e-3, lambda p, v: v),                   # one CPU step
+    ("copy_overlap", False, lambda p, v: 0.0),                        # nothing overlaps in this plan anyway
+    ("collective_bandwidth", 1e9, lambda p, v: 0.0),                  # no all-reduce on one GPU
+])
+def test_each_execution_term_changes_the_one_task_plan_by_what_it_charges(term, value, delta):
+    prof, hw, plan = _one_task()
+    base = simulate(plan, prof, hw).iteration_time
+    got = simulate(plan, prof, dataclasses.replace(hw, **{term: value})).iteration_time
+    assert got - base == pytest.approx(delta(prof, value), rel=1e-9, abs=1e-12)
+
+
+def test_a_stashed_pack_issues_one_instruction_per_microbatch_and_a_gpu_step_one():
+    """Two backward packs on one GPU, the first stashed, its optimizer on the GPU: per microbatch one
+    instruction for it (no recompute), two for the loss pack, one for the GPU step."""
+    prof = synthetic_profile(R=4)
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(1), p2p_bandwidth=0.0)
+    plan = Plan("t", "vPP", 1, 4, 2, 2, [(0, 1)], [(0, 1), (2, 3)], 4,
+                options=(PackOptions(recompute=False, optimizer="gpu"), PackOptions()))
+    issue = 1e-4
+    a = simulate(plan, prof, hw).events
+    b = simulate(plan, prof, dataclasses.replace(hw, issue_overhead_s=issue)).events
+    dur = lambda ev, q: float((ev.query(q).end - ev.query(q).start).sum())  # noqa: E731
+    for q, n in (("kind == 'FWD'", 2), ("kind == 'BWD' and pack == '0-1'", 2), ("kind == 'BWD' and pack == '2-3'", 4),
+                 ("kind == 'GPU_UPD'", 1)):
+        assert dur(b, q) - dur(a, q) == pytest.approx(n * issue, rel=1e-9), q
+
+
+def test_the_all_reduce_runs_at_the_collective_bandwidth():
+    prof = synthetic_profile(R=4)
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+    plan = Plan("t", "vDP", 2, 8, 2, 2, [(0, 1)], [(0, 1), (2, 3)], 4)
+    for bw in (None, 1e9):
+        ev = simulate(plan, prof, dataclasses.replace(hw, collective_bandwidth=bw)).events.query("kind == 'ARD'")
+        w = ev.pack.map(lambda p: int(prof.param_bytes(*map(int, p.split("-")))))
+        assert list(ev.end - ev.start) == pytest.approx(list(w / (bw or hw.p2p_bandwidth)), rel=1e-12)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(plans())
+def test_without_copy_overlap_a_rank_runs_one_event_at_a_time(case):
+    """copy_overlap false: a rank's compute, swap and P2P events never overlap, so the iteration lasts
+    at least the sum of their durations on every rank; never less than with overlap (where the
+    simulator's greedy dispatch is the same)."""
+    prof, plan, hw = case
+    serial = dataclasses.replace(hw, copy_overlap=False)
+    cap = plan.memory_cap or hw.gpu_memory_bytes
+    sim, tl = expand(plan, prof, serial, cap)
+    ev = tl.events[tl.events.stream.isin(["compute", "swap_in_w", "swap_in", "swap_out", "p2p"])]
+    for rank, rows in ev.groupby("rank"):
+        rows = rows.sort_values(["start", "end"])
+        assert (rows.start.to_numpy()[1:] >= rows.end.to_numpy()[:-1] - 1e-12).all()
+        assert tl.iteration_time >= float((rows.end - rows.start).sum()) - 1e-9
+    check_against_graph(sim, task_graph(plan, prof, serial))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(plans(), st.fixed_dictionaries({
+    "copy_overlap": st.booleans(), "h2d_latency_s": st.sampled_from([0.0, 1e-4]), "d2h_latency_s": st.sampled_from([0.0, 1e-4]),
+    "compute_scale": st.sampled_from([0.01, 0.5, 1.0, 2.0]), "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3]),
+    "issue_overhead_s": st.sampled_from([0.0, 1e-4, 1e-3]), "collective_bandwidth": st.sampled_from([None, 1e8])}),
+    st.floats(0.3, 1.0), st.sampled_from([1.0, 100.0]))
+def test_the_lower_bound_holds_with_the_hardwares_execution_terms(case, terms, frac, slow):
+    """harmony_opt.sim.bound scales the kernel times as the simulator does and counts only terms every
+    plan pays: never above a plan. ``slow``: a profile whose kernels took that much longer, run at
+    compute_scale 0.01 too, where a bound from the profile's times would pass the plan by far."""
+    prof, plan, hw = case
+    if slow != 1.0:
+        prof = Profile(prof.name, prof.layers, prof.microbatch.assign(gpu_time_s=prof.microbatch.gpu_time_s * slow),
+                       prof.meta)
+    hw = dataclasses.replace(hw, **terms)
+    need = max(Expansion.task_memory(plan, prof, t) for t in tasks_of(plan) if t.kind != TaskKind.UPD)
+    cap = int(need / frac)      # tight caps: weights must come in, which the bound counts
+    assert lower_bound(prof, hw, plan.batch, cap)["bound_s"] <= simulate(plan, prof, hw, memory_cap=cap).iteration_time

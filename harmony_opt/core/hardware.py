@@ -33,6 +33,13 @@ class Hardware:
     ``d2h_bandwidth`` and at most ``link_bandwidth`` in total flows per direction. The link, host
     memory and pinned memory fields are per server; rank r runs on server ``r // gpus_per_server``,
     and GPUs on different servers exchange data at ``network_bandwidth`` (docs/scaling.md).
+
+    ``d2h_bandwidth`` and at most ``link_bandwidth`` in total flows per direction.
+
+    The execution terms after ``gpu_optimizer_bandwidth`` (docs/cost_model.md, "Execution terms")
+    describe how the executor runs on the device: their defaults are neutral (CUDA streams overlap
+    copies with compute, no fixed costs), so a description without them times plans as before, and
+    ``to_dict`` leaves out those at their default.
     """
 
     name: str
@@ -48,13 +55,13 @@ class Hardware:
     host_copy_bandwidth: float = 16 * GiB   # host memory copies between processes, bytes/s
     cpu_optimizer_scale: float = 1.0   # multiplies the profile's cpu_update_s (other CPU than profiled)
     gpu_optimizer_bandwidth: float = 300 * GB  # bytes of (W + dW + K) per second for an optimizer step on GPU
-    copy_overlap: bool = True        # transfers run beside compute (CUDA streams); False: one thread, in order
-    h2d_latency_s: float = 0.0       # fixed seconds per host -> device transfer instruction
-    d2h_latency_s: float = 0.0       # fixed seconds per device -> host transfer instruction
-    compute_scale: float = 1.0       # multiplies the profile's compute times
-    cpu_optimizer_call_s: float = 0.0   # fixed seconds per CPU optimizer call (one per pack and iteration)
-    issue_overhead_s: float = 0.0    # fixed seconds per compute instruction beyond its kernels
-    collective_bandwidth: float | None = None   # bytes/s of the vDP all-reduce; None = p2p_bandwidth
+    copy_overlap: bool = True        # copies and GPU<->GPU transfers run beside compute (False: one at a time)
+    h2d_latency_s: float = 0.0       # fixed seconds per host -> GPU transfer, on top of bytes / bandwidth
+    d2h_latency_s: float = 0.0       # fixed seconds per GPU -> host transfer
+    compute_scale: float = 1.0       # multiplies the profile's forward, backward and recompute times
+    cpu_optimizer_call_s: float = 0.0   # fixed seconds per CPU optimizer step (one per backward pack and rank)
+    issue_overhead_s: float = 0.0    # fixed seconds per compute instruction (forward, recompute, backward, GPU step)
+    collective_bandwidth: float | None = None   # bytes/s of the vDP gradient all-reduce; None = p2p_bandwidth
     description: str = ""
     # terms `harmony-opt calibrate` fits to a measured step (neutral defaults: the profile and bandwidths alone)
     copy_overlap: bool = True          # copies run beside compute (False: in program order, as on the CPU device)
@@ -85,13 +92,19 @@ class Hardware:
             raise HardwareError(f"{where}: p2p_bandwidth must be >= 0, got {self.p2p_bandwidth!r}")
         if not self.cpu_optimizer_scale > 0:
             raise HardwareError(f"{where}: cpu_optimizer_scale must be positive")
+        if not isinstance(self.copy_overlap, bool):
+            raise HardwareError(f"{where}: copy_overlap must be true or false, got {self.copy_overlap!r}")
         for f in ("h2d_latency_s", "d2h_latency_s", "cpu_optimizer_call_s", "issue_overhead_s"):
-            if not getattr(self, f) >= 0:
-                raise HardwareError(f"{where}: {f} must be >= 0 seconds, got {getattr(self, f)!r}")
-        if not self.compute_scale > 0:
-            raise HardwareError(f"{where}: compute_scale must be positive, got {self.compute_scale!r}")
-        if self.collective_bandwidth is not None and not self.collective_bandwidth > 0:
-            raise HardwareError(f"{where}: collective_bandwidth must be positive, got {self.collective_bandwidth!r}")
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise HardwareError(f"{where}: {f} must be a finite number of seconds >= 0, got {v!r}")
+        v = self.compute_scale
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise HardwareError(f"{where}: compute_scale must be a finite number > 0, got {v!r}")
+        v = self.collective_bandwidth
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+            raise HardwareError(f"{where}: collective_bandwidth must be a positive finite bandwidth in bytes/s "
+                                f"(or left out: p2p_bandwidth), got {v!r}")
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
             raise HardwareError(f"{where}: servers must be a whole number >= 1, got {self.servers!r}")
         if self.gpus % self.servers:
@@ -143,11 +156,11 @@ class Hardware:
     def allreduce_time(self, nbytes, gpus: int):
         """Seconds to all-reduce ``nbytes`` (a number or an array) over ranks 0 .. gpus-1, hierarchically:
         a ring inside each server (reduce-scatter and all-gather, 2 (p-1)/p x nbytes per GPU at
-        p2p_bandwidth, p ranks per server), between them a ring over the servers of each GPU's 1/p
+        all_reduce_bandwidth, p ranks per server), between them a ring over the servers of each GPU's 1/p
         shard, the p shards sharing the server's network link (2 (S-1)/S x nbytes per server at
         network_bandwidth). On one server, the ring all-reduce."""
         p, s = min(gpus, self.gpus_per_server), self.servers_used(gpus)
-        t = 2 * (p - 1) / p * nbytes / self.p2p_bandwidth if p > 1 else 0 * nbytes
+        t = 2 * (p - 1) / p * nbytes / self.all_reduce_bandwidth if p > 1 else 0 * nbytes
         if s > 1:
             t = t + 2 * (s - 1) / s * nbytes / self.network_bandwidth
         return t
@@ -165,13 +178,27 @@ class Hardware:
                                 f"(a multiple of {per}) or at most {per}")
         return dataclasses.replace(self, gpus=int(n), servers=max(1, int(n) // per) if self.servers > 1 else 1)
 
+    @property
+    def all_reduce_bandwidth(self) -> float:
+        """Bytes/s of the vDP gradient all-reduce: ``collective_bandwidth``, else the GPU link's."""
+        return self.p2p_bandwidth if self.collective_bandwidth is None else self.collective_bandwidth
+
+    @property
+    def neutral_terms(self) -> bool:
+        """Every execution term at its default: the simulator and the planner time plans as without them."""
+        return all(getattr(self, k) == v for k, v in EXECUTION_TERMS.items())
+
+    def without_execution_terms(self) -> "Hardware":
+        """This hardware with every execution term at its neutral default: what Harmony's cost model,
+        which has none of them, sees."""
+        return self if self.neutral_terms else dataclasses.replace(self, **EXECUTION_TERMS)
+
     def to_dict(self) -> dict:
-        """The fields; the cost terms at their neutral values and one server without a network are left
-        out, so files and the plans that record them read as before those fields existed."""
-        d = dataclasses.asdict(self)
-        for f in _OMITTED_AT_DEFAULT:
-            if d[f] == _DEFAULTS[f]:
-                del d[f]
+        """The fields, less the execution terms at their neutral default and, on one server without a
+        network, ``servers`` and ``network_bandwidth``: files and the plans that record them read as
+        before those fields existed."""
+        d = {k: v for k, v in dataclasses.asdict(self).items()
+             if not (k in EXECUTION_TERMS and v == EXECUTION_TERMS[k])}
         if self.servers == 1 and not self.network_bandwidth:
             del d["servers"], d["network_bandwidth"]
         return d
@@ -238,10 +265,10 @@ class Hardware:
         return cls.from_dict(d, str(path))
 
 
-#: Fields a hardware file or a plan's record leaves out at their default (neutral) value.
-_OMITTED_AT_DEFAULT = ("copy_overlap", "h2d_latency_s", "d2h_latency_s", "compute_scale", "cpu_optimizer_call_s",
-                       "issue_overhead_s", "collective_bandwidth")
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Hardware)}
+#: The execution terms and their neutral defaults (Hardware's fields of the same names)
+EXECUTION_TERMS: dict = {f.name: f.default for f in dataclasses.fields(Hardware)
+                         if f.name in ("copy_overlap", "h2d_latency_s", "d2h_latency_s", "compute_scale",
+                                       "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth")}
 
 
 PRESETS: dict[str, Hardware] = {

@@ -27,6 +27,7 @@ first profiled size.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -195,6 +196,22 @@ class Profile:
                 else:
                     h.update(("\x1f".join(map(str, col)) + "\0").encode())
         return h.hexdigest()[:16]
+
+    def with_compute_scale(self, scale: float) -> "Profile":
+        """This profile with every forward and backward time multiplied by ``scale``
+        (``Hardware.compute_scale``), for the models that time kernels from it; itself at 1. Only
+        what ``costs`` returns is scaled (the frames and the identity are this profile's)."""
+        if scale == 1:
+            return self
+        key = ("compute_scale", float(scale))
+        scaled = self._cache.get(key)
+        if scaled is None:
+            scaled = copy.copy(self)
+            object.__setattr__(scaled, "_tables", {ph: (sizes, t * scale, *rest)
+                                                   for ph, (sizes, t, *rest) in self._tables.items()})
+            object.__setattr__(scaled, "_cache", {})
+            self._cache[key] = scaled
+        return scaled
 
     # -- per-(phase, u) costs -----------------------------------------------------------
     def costs(self, phase: str, u: int) -> PhaseCosts:

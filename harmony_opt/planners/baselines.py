@@ -85,12 +85,16 @@ def iteration_floor(plan: Plan, profile: Profile, hw: Hardware) -> float:
     * each GPU's busiest stream (compute, weight swap-ins, activation swap-ins, swap-outs);
     * each server's host link: its GPUs' transfer times over the transfers it carries at once.
 
+    Kernel times count at the hardware's ``compute_scale``; its other execution terms only lengthen
+    events or keep them apart (docs/cost_model.md), so the floor holds without them.
+
     Vectorized over packs. tests/test_fuzz_planners.py checks it against the simulator on
     random inputs, since the baselines skip every microbatch size whose floor exceeds the
     best time simulated so far.
     """
     if plan.mode != "vDP" or not all(o.recompute and o.optimizer == "cpu" for o in plan.options):
         return 0.0
+    profile = profile.with_compute_scale(hw.compute_scale)
     try:
         floors = {k: _rank_floor(plan, profile, hw, share) for k, share in enumerate(data_shares(plan.batch, plan.gpus))
                   if share}

@@ -21,6 +21,12 @@ packing and per-pack options, an iteration needs at least:
   size of the weights: ``bytes / link bandwidth`` per direction, the bandwidth of every
   server's link together (of every GPU's, where each has its own).
 
+The hardware's execution terms (docs/cost_model.md): kernel times count at ``compute_scale``;
+the criterion pack issues a backward for each of its microbatches, at least ``ceil(D / largest
+backward size)`` of them over all GPUs, so the compute term counts that many ``issue_overhead_s``;
+without ``copy_overlap`` every GPU's transfers run one at a time with its compute, so the bytes
+that must cross the link join the compute term at one transfer's bandwidth. Other terms (latencies, per-call costs) depend on the plan and are left out.
+
 The CPU optimizer is not a term: a plan may step every pack on the GPU instead.
 
 efficiency = bound / simulated time (1.0 would be perfect).
@@ -37,6 +43,7 @@ def lower_bound(profile: Profile, hw: Hardware, batch: int, memory_cap: int | No
     cap = memory_cap or hw.gpu_memory_bytes
     n = hw.gpus
     R = profile.num_layers
+    profile = profile.with_compute_scale(hw.compute_scale)
     fs, bs = profile.sizes("FWD"), profile.sizes("BWD")
     lo, hi = int(fs[0]), int(fs[-1])
     f_rate = np.min(np.stack([profile.costs("FWD", int(u)).time / u for u in fs]), axis=0)
@@ -45,7 +52,7 @@ def lower_bound(profile: Profile, hw: Hardware, batch: int, memory_cap: int | No
     at = sorted({int(u) for u in bs} | {int(u) for u in fs if bs[0] <= u <= bs[-1]})
     b_only = np.min(np.stack([(profile.costs("BWD", u).time - profile.costs("FWD", int(np.clip(u, lo, hi))).time) / u
                               for u in at]), axis=0)
-    compute = batch * max(float(np.sum(np.minimum(b_rate, f_rate + b_only))), 0.0) / n
+    compute = batch * max(float(np.sum(np.minimum(b_rate, f_rate + b_only))), 0.0)
     wb = int(profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1))
     k = int(profile.optimizer_bytes(0, R - 1))
     link = hw.link_bandwidth or hw.h2d_bandwidth
@@ -53,5 +60,9 @@ def lower_bound(profile: Profile, hw: Hardware, batch: int, memory_cap: int | No
     h2d_bytes = max(0, wb - n * cap)
     w = int(profile.param_bytes(0, R - 1))
     d2h_bytes = min(w, max(0, wb + k + w - n * cap))
-    terms = {"compute_s": compute, "h2d_s": h2d_bytes / link, "d2h_s": d2h_bytes / link}
+    if hw.issue_overhead_s:
+        compute += -(-batch // int(bs[-1])) * hw.issue_overhead_s
+    if not hw.copy_overlap:
+        compute += h2d_bytes / hw.h2d_bandwidth + d2h_bytes / hw.d2h_bandwidth
+    terms = {"compute_s": compute / n, "h2d_s": h2d_bytes / link, "d2h_s": d2h_bytes / link}
     return {"bound_s": max(terms.values()), **terms}

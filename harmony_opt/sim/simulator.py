@@ -18,6 +18,11 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
   activations, re-batched outputs, updated weights another server's forward reads) is copied
   between the hosts on the sender's ``net`` stream, and vDP's all-reduce is hierarchical
   (``Hardware.allreduce_time``);
+* the hardware's execution terms (docs/cost_model.md): a compute event lasts ``compute_scale`` times
+  its profiled time plus ``issue_overhead_s`` per instruction the executor issues for it, a swap-in
+  or swap-out its latency plus bytes / bandwidth, a CPU step its profiled time plus
+  ``cpu_optimizer_call_s``; without ``copy_overlap`` (the CPU device) a rank's compute, swap and
+  P2P events run one at a time (one "engine" per rank), its CPU optimizer steps beside them;
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
   starts and its working set when its first compute starts, and frees both when its
   last event ends; an event that does not fit waits. So prefetch (just-in-time) only
@@ -48,6 +53,8 @@ from .taskgraph import SOURCE_TENSOR, Task, TaskNode, compose, placement, task_m
 from .timeline import Timeline, memory_steps
 
 STREAMS = ("compute", "swap_in_w", "swap_in", "swap_out", "p2p", "cpu", "net")
+#: The streams that share a rank's one engine when the hardware does not overlap copies with compute
+ENGINE_STREAMS = frozenset(("compute", "swap_in_w", "swap_in", "swap_out", "p2p"))
 _H2D, _D2H = "h2d", "d2h"
 
 
@@ -165,12 +172,12 @@ class Expansion:
         return eid
 
     def h2d(self, rank, kind, node, mb, nbytes, deps=(), start_deps=(), stream="swap_in", alloc=0, key=None):
-        return self.add(rank, stream, kind, node, mb, nbytes / self.hw.h2d_bandwidth, nbytes, deps, start_deps,
-                        _H2D, alloc, key=key)
+        return self.add(rank, stream, kind, node, mb, nbytes / self.hw.h2d_bandwidth + self.hw.h2d_latency_s, nbytes,
+                        deps, start_deps, _H2D, alloc, key=key)
 
     def d2h(self, rank, kind, node, mb, nbytes, deps=(), key=None, peer=None):
-        return self.add(rank, "swap_out", kind, node, mb, nbytes / self.hw.d2h_bandwidth, nbytes, deps, (), _D2H,
-                        key=key, peer=peer)
+        return self.add(rank, "swap_out", kind, node, mb, nbytes / self.hw.d2h_bandwidth + self.hw.d2h_latency_s,
+                        nbytes, deps, (), _D2H, key=key, peer=peer)
 
     def p2p(self, rank, kind, node, mb, nbytes, deps, peer):
         """Send an activation to another GPU over the GPU link, or the network to another server (on the
@@ -300,6 +307,9 @@ class Expansion:
         kept_in = dy_in.nbytes[0] if dy_in is not None and dy_in.medium == Medium.PIN else 0
         computes, task_outputs = [], []
         recompute = fwd or plan.options[node.bwd_index].recompute
+        # the executor's instructions per microbatch: a forward; a recompute and a backward, or a backward
+        issues = 1 if fwd or not recompute else 2
+        scale, issue = self.hw.compute_scale, self.hw.issue_overhead_s
         durations: dict[int, float] = {}
         for i, u in enumerate(node.microbatches):
             # -- inputs of microbatch i
@@ -323,7 +333,7 @@ class Expansion:
                 if not recompute:       # stashed activations: no recompute of the pack's forward
                     dur -= float(prof.costs("FWD", int(np.clip(u, *prof.size_range("FWD")))).pack_time(a, b))
                     dur = max(dur, 0.0)
-                durations[u] = dur
+                dur = durations[u] = dur * scale + issues * issue
             cdeps = in_dep + [w_in] + ([computes[-1]] if computes else [])
             comp = self.add(r, "compute", phase, node, i, dur, 0, cdeps, alloc=(mem - wb - kept_in) if i == 0 else 0)
             computes.append(comp)
@@ -380,7 +390,8 @@ class Expansion:
             deps = [ard]
         if upd is not None:
             kb = sum(f.nbytes[0] for f in upd.inputs if f.tensor == Tensor.K)
-            step = self.add(r, "compute", "GPU_UPD", node, 0, (3 * w + 2 * kb) / self.hw.gpu_optimizer_bandwidth, 0,
+            step = self.add(r, "compute", "GPU_UPD", node, 0,
+                            (3 * w + 2 * kb) / self.hw.gpu_optimizer_bandwidth + self.hw.issue_overhead_s, 0,
                             deps + [k_in], key=upd.task)
             return self.d2h(r, "WK", node, 0, sum(f.nbytes[0] for f in upd.outputs), [step], key=upd.task)
         out = next(f for f in node.outputs if f.tensor == Tensor.DW and f.medium in (Medium.LOC, Medium.MSG))
@@ -395,6 +406,7 @@ class Expansion:
             dur /= n     # each rank's CPU steps its shard of the all-reduced gradient
         elif n > 1:
             dur += (n - 1) * int(prof.param_bytes(a, b)) / self.hw.host_copy_bandwidth / n
+        dur += self.hw.cpu_optimizer_call_s
         # its gradients: in host memory (LOC, MSG), or all-reduced by another replica (P2P)
         producers = [(f.peer, f.medium == Medium.P2P) for f in node.inputs if f.tensor == Tensor.DW]
         ready = [self._gradient_ready(*p) for p in producers if p[0] in self.grads]
@@ -459,6 +471,13 @@ class Expansion:
             for e in group:
                 ev[e].start_deps = list({*ev[e].start_deps})
                 ev[e].deps = list({*ev[e].deps, *(d for g in group for d in ev[g].deps)})
+        # ... and ends on every replica when the last one's ends: what waits for one waits for all (they
+        # end together unless a rank runs its events one at a time, Hardware.copy_overlap)
+        group_of = {e: group for group in self.collectives.values() for e in group}
+        if group_of and not self.hw.copy_overlap:
+            for e in ev:
+                if any(d in group_of for d in e.deps):
+                    e.deps = list(dict.fromkeys([*e.deps, *(m for d in e.deps if d in group_of for m in group_of[d])]))
         n = len(ev)
         keys = sorted(self.streams)                     # the scan order
         queues = [self.streams[k] for k in keys]
@@ -480,6 +499,10 @@ class Expansion:
                                                  len(link_ids))
         slots = [self.hw.link_slots if shared else 1] * len(link_ids)
         used = [0] * len(link_ids)
+        # without copy/compute overlap each rank has one engine its compute, swap and P2P events share
+        serial = not self.hw.copy_overlap
+        engine_of = [e.rank if serial and e.stream in ENGINE_STREAMS else -1 for e in ev]
+        engine_busy = [False] * (max((e.rank for e in ev), default=0) + 1)
         cap = self.cap
         mem_used = defaultdict(int)
         mem_deltas = defaultdict(list)
@@ -541,6 +564,8 @@ class Expansion:
                 lk = link_of[eid]
                 if lk >= 0 and used[lk] >= slots[lk]:
                     continue
+                if serial and engine_of[eid] >= 0 and engine_busy[engine_of[eid]]:
+                    continue
                 alloc = e.alloc
                 if alloc and mem_used[e.rank] + alloc > cap and mem_used[e.rank] > 0:
                     continue
@@ -548,6 +573,8 @@ class Expansion:
                 e.end = end = t + e.duration
                 if lk >= 0:
                     used[lk] += 1
+                if serial and engine_of[eid] >= 0:
+                    engine_busy[engine_of[eid]] = True
                 if alloc:
                     mem_used[e.rank] += alloc
                     mem_deltas[e.rank].append((t, alloc))
@@ -581,6 +608,8 @@ class Expansion:
                 busy[si] = False
                 if link_of[f] >= 0:
                     used[link_of[f]] -= 1
+                if serial and engine_of[f] >= 0:
+                    engine_busy[engine_of[f]] = False
                 if e.free_after:
                     for nb in e.free_after:
                         mem_used[e.rank] -= nb
