@@ -37,6 +37,7 @@ from .compile.program import Program, plan_identity
 from .compile.validate import validate_program
 from .core.errors import DataError, PlanError, ProgramError, RuntimeMemoryError, UsageError
 from .core.plan import Plan
+from .core.precision import resolve as resolve_precision
 from .core.units import alloc_granularity
 from .measure.models import MODEL_NAMES
 from .sim.timeline import Timeline
@@ -83,7 +84,8 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
           epochs: int | None = None, scheduler: Callable | None = None, clip_grad_norm: float | None = None,
           checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = False,
           device: str = "cpu", memory_cap: int | None = None, progress: bool = True, seed: int = 0,
-          program: Program | None = None, trace: bool = False, granularity: int | None = None) -> TrainResult:
+          program: Program | None = None, trace: bool = False, granularity: int | None = None,
+          precision: str | None = None) -> TrainResult:
     """Train ``model`` (a LayeredModel) as ``plan`` says; steps are counted from step 0.
 
     Data: ``data`` is any iterable of ``(inputs, targets)`` minibatches of ``plan.batch`` samples
@@ -109,6 +111,9 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     continues from it. With ``trace=True`` the result holds when every instruction of the last
     step ran (:meth:`TrainResult.timeline`). ``granularity``: what the device's allocator rounds each
     tensor up to, for the memory check and the guard (default: 512 on CUDA, exact on the CPU).
+    ``precision`` (default: the plan's, which its profile was measured in) is "fp32" or "bf16":
+    forwards and recomputes under bf16 autocast, weights, gradients and optimizer state fp32
+    (:mod:`harmony_opt.core.precision`); one other than the plan's is refused.
     """
     from harmony_opt.runtime.checkpoint import load_checkpoint, restore_layers
     from harmony_opt.runtime.optim import check_scheduler, make_factory, optimizer_states
@@ -119,6 +124,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
 
     layers = list(model.layers)
     check_plan(model, plan)
+    precision = resolve_precision(plan, precision)
     launched = torchrun_env()        # under torchrun: this process is one rank (docs/runtime.md "torchrun")
     if launched:
         launched.check(plan.gpus, device)
@@ -145,11 +151,11 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         raise DataError("the data holds no minibatch")
     batches = itertools.chain([first], stream) if first is not None else None
     if first is not None:
-        shapes = boundary_shapes(layers, *first)
+        shapes = boundary_shapes(layers, *first, precision=precision)
         check_mean_loss(layers, *first)
         # the whole program against the model's real sizes, before any weight changes
         sizes = measure_layer_bytes(layers, *first, optimizer_states=optimizer_states(factory),
-                                    granularity=granularity)
+                                    granularity=granularity, precision=precision)
     else:
         shapes, sizes = [], None
     program = _program(plan, layers, program, sizes, cap)
@@ -166,7 +172,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
               checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
               plan=plan.to_dict(), losses_before=list(state["losses"]) if state else [], trace=trace,
               total=steps if steps is not None else _known_length(data, epochs or 1),
-              scheduler=scheduler, clip_grad_norm=clip_grad_norm)
+              scheduler=scheduler, clip_grad_norm=clip_grad_norm, precision=precision)
     results = run_job(job, batches) if batches is not None else []
     times = results[0].iteration_times if results else []
     return TrainResult(

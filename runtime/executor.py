@@ -24,7 +24,11 @@ for its future. On the CPU every stream is the host itself and the instructions 
 order, which is the same program with the overlap taken out.
 
 Weights, buffers and optimizer state stay on the host (the master copy); the device
-gets copies for as long as a pack runs.
+gets copies for as long as a pack runs. With ``precision="bf16"`` every forward and
+recompute runs under ``torch.autocast(device type, torch.bfloat16)``, one autocast region
+per instruction (so autocast's cached bf16 weight copies live for that instruction, or in
+the graph a recompute keeps); the backward runs outside it, as torch runs a backward, in
+the dtypes the forward chose. Weights, gradients and optimizer state stay fp32.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from torch.func import functional_call
 
 from harmony_opt.core.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
 from harmony_opt.core.kinds import Tensor
+from harmony_opt.core.precision import autocast
 from harmony_opt.core.units import alloc_bytes, alloc_granularity
 from harmony_opt.compile.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects
 from harmony_opt.compile.validate import format_schedule
@@ -246,7 +251,7 @@ class Executor:
     def __init__(self, program: Program, rank: int, layers: list[nn.Module], optimizers: PackOptimizers,
                  shapes: list[tuple[tuple[int, ...], torch.dtype]], *, device: str | torch.device = "cpu",
                  comm=None, memory_cap: int | None = None, seed: int = 0, trace: bool = False,
-                 defer_updates: bool = False, granularity: int | None = None):
+                 defer_updates: bool = False, granularity: int | None = None, precision: str = "fp32"):
         self.program, self.rank, self.layers = program, rank, layers
         # with defer_updates, a CPU update only records its pack here; the caller steps them after the
         # iteration (gradient clipping needs every gradient before the first step)
@@ -254,6 +259,7 @@ class Executor:
         self.instrs = program.ranks[rank]
         self.R = program.num_layers
         self.device = torch.device(device)
+        self.precision = precision
         self.optim, self.shapes, self.comm, self.seed = optimizers, shapes, comm, seed
         # the guard's rounding: the device's allocator's unless given (a test prices CUDA on the CPU)
         self.table = DeviceTable(rank, memory_cap,
@@ -406,6 +412,11 @@ class Executor:
 
         self._host_adds.append(self.pool.submit(add))
 
+    def _autocast(self):
+        """The precision's autocast region on this device (none for fp32): the loss layer inside it
+        too, which autocast computes in fp32 (cross-entropy, log-softmax are on its fp32 list)."""
+        return autocast(self.device.type, self.precision)
+
     def _state(self, layer: int, ins: Instr) -> dict:
         return {**self.table.get(("W", layer), ins), **self.table.get(("B", layer), ins)}
 
@@ -537,13 +548,13 @@ class Executor:
         x = self.table.get(e.reads[0], ins)
         a, b = ins.layers
         if ins.tensor is not Tensor.SA:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 return {e.allocs[0]: self._chain(a, b, x, ins)}
         weights, names = self._leaves(a, b, ins)
         hooks = Offload({w.untyped_storage().data_ptr(): n for w, n in zip(weights, names)}, x.device,
                         self.streams.streams.get(Stream.SWAP_OUT), timed=self.tracer is not None)
         leaf = self._input_leaf(x, a, copy=True)
-        with torch.enable_grad(), saved_tensors_hooks(hooks.pack, hooks.unpack):
+        with torch.enable_grad(), saved_tensors_hooks(hooks.pack, hooks.unpack), self._autocast():
             y = self._chain(a, b, leaf, ins)
         graph = PackGraph(y, [leaf] + weights, names, saved=hooks.saved, copied=hooks.copied())
         out = sum(nbytes(s.host) for s in hooks.saved)
@@ -568,7 +579,7 @@ class Executor:
         # what the table holds already (weights, frozen or not, buffers, the input) is not counted again
         held = [t for l in range(a, b + 1) for k in ("W", "B") for t in self.table.get((k, l), ins).values()]
         count = CountSaved({t.untyped_storage().data_ptr() for t in held + [x]}, self.table.granularity)
-        with torch.enable_grad(), saved_tensors_hooks(count.pack, count.unpack):
+        with torch.enable_grad(), saved_tensors_hooks(count.pack, count.unpack), self._autocast():
             y = self._chain(a, b, leaf, ins)
             if b == self.R - 1:
                 targets = self.table.get(("T", ins.offset, ins.size), ins)

@@ -68,6 +68,7 @@ class Job:
     total: int | None = None                            # the step the run ends at, where known (progress bar)
     scheduler: SchedulerFactory | None = None           # optimizer -> LR scheduler, stepped once per step
     clip_grad_norm: float | None = None                 # max global 2-norm of the gradients
+    precision: str = "fp32"                             # "bf16": forwards under bf16 autocast (core.precision)
 
 
 @dataclasses.dataclass
@@ -97,7 +98,7 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
         optim.load_state_dicts(job.optimizer_state, job.scheduler_state)
     ex = Executor(job.program, rank, job.layers, optim, job.shapes, device=device, comm=comm,
                   memory_cap=job.memory_cap, granularity=job.granularity, seed=job.seed, trace=job.trace,
-                  defer_updates=job.clip_grad_norm is not None)
+                  defer_updates=job.clip_grad_norm is not None, precision=job.precision)
     losses = list(job.losses_before)
     bar = _progress(job, rank, job.total)
     ok, step, saved = False, job.start_step, job.start_step

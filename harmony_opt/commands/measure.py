@@ -5,6 +5,7 @@
     harmony-opt profile gpt2-xl --device cuda --microbatch 1,2,4,8 -o profiles/gpt2_xl_h100
     harmony-opt profile gpt2-tiny --device cpu --microbatch 1-9:4 --set n_layer=2 -o /tmp/tiny
     harmony-opt profile my_model.py:build --set width=256 -o /tmp/mine
+    harmony-opt profile gpt2-tiny --device cpu --precision bf16 -o /tmp/tiny_bf16
     harmony-opt probe -o hardware.toml
 """
 from __future__ import annotations
@@ -34,6 +35,8 @@ def register(sub):
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before them (default 1)")
     add_threads(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the input batches")
+    add_precision(p, "measure in (default fp32): bf16 runs every forward and backward under bf16 autocast "
+                     "with fp32 weights, as `run` then trains the plans made from the profile")
     add_overrides(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_profile)
@@ -63,10 +66,12 @@ def _profile(args):
     model = resolve_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code, **overrides)    # a bad --model: refused before -o is made
     out = writable_folder(args.output)
     prof = profile_model(model, sizes, str(device), repeats=args.repeats, max_repeats=args.max_repeats,
-                         warmup=args.warmup, threads=args.threads, progress=not args.no_progress, seed=args.seed)
+                         warmup=args.warmup, threads=args.threads, progress=not args.no_progress, seed=args.seed,
+                         precision=args.precision or "fp32")
     written(prof.save, out, f"the profile to {out}")
     print(f"wrote {out}: {prof.name}, {prof.num_layers} layers, microbatch {', '.join(map(str, prof.sizes('FWD')))}"
-          f" on {prof.meta['device']}, {prof.meta['threads']} intra-op thread(s)")
+          f" on {prof.meta['device']}, {prof.meta['threads']} intra-op thread(s)"
+          + (f", {prof.precision}" if prof.precision != "fp32" else ""))
     for note in prof.meta.get("skipped", []):
         print(f"note: {note}")
     for line in prof.meta.get("warnings", []):
@@ -89,6 +94,11 @@ def _probe(args):
           f"{hw.d2h_latency_s * 1e6:.0f} us + {hw.d2h_bandwidth / 1e9:.1f} GB/s, CPU optimizer "
           f"{hw.cpu_optimizer_call_s * 1e6:.0f} us per call, {hw.issue_overhead_s * 1e6:.0f} us per compute "
           f"instruction, copies {'beside' if hw.copy_overlap else 'in line with'} compute")
+
+
+def add_precision(p, what: str) -> None:
+    from ..core.precision import PRECISIONS
+    p.add_argument("--precision", choices=PRECISIONS, default=None, help="precision to " + what)
 
 
 def add_threads(p) -> None:

@@ -27,7 +27,8 @@ def _show(args):
     prof = load_profile(args.profile)
     u = int(prof.sizes("BWD")[0]) if args.microbatch is None else args.microbatch
     df = layer_table(prof, u)
-    print(f"{prof.name}: {prof.num_layers} layers, microbatch {u}  ({prof.meta.get('device', 'device unknown')})")
+    bf16 = f", {prof.precision}" if prof.precision != "fp32" else ""
+    print(f"{prof.name}: {prof.num_layers} layers, microbatch {u}  ({prof.meta.get('device', 'device unknown')}{bf16})")
     print(df.to_string(index=False))
     from ..measure.flags import profile_warnings
     for line in profile_warnings(prof):

@@ -5,9 +5,10 @@ from pathlib import Path
 
 from ..core.errors import PlanError, UsageError
 from ..core.plan import Plan
+from ..core.precision import resolve as resolve_precision
 from ..core.units import alloc_granularity, fmt_bytes, parse_bytes
 from .common import MODEL_HELP, plan_profile, writable_file, writable_folder
-from .measure import add_overrides, parse_overrides
+from .measure import add_overrides, add_precision, parse_overrides
 
 
 def register(sub):
@@ -53,6 +54,7 @@ def register(sub):
                    help="clip the gradients to this global 2-norm, as torch.nn.utils.clip_grad_norm_ on the whole "
                         "model (every pack's optimizer on the CPU)")
     r.add_argument("--seed", type=int, default=0)
+    add_precision(r, "train in (default: the plan's, which its profile was measured in; another is refused)")
     r.add_argument("--memory-cap", default=None, help="live device bytes per rank (default: the plan's)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--trace", metavar="FILE", default=None,
@@ -110,7 +112,7 @@ def _compile(args):
         x, y = model.make_batch(1, torch.Generator().manual_seed(0))
         states = 2 if model.meta.get("optimizer", "adam") in ("adam", "adamw") else 1
         sizes = measure_layer_bytes(model.layers, x, y, optimizer_states=states,
-                                    granularity=alloc_granularity(args.device))
+                                    granularity=alloc_granularity(args.device), precision=plan.precision)
     cap = parse_bytes(args.memory_cap, "--memory-cap") if args.memory_cap else plan.memory_cap
     program = compile_plan(plan, layer_bytes=sizes, memory_cap=cap)
     stats = validate_program(program, cap_bytes=cap if sizes else None)
@@ -134,6 +136,10 @@ def _run(args):
     if args.epochs is not None and not args.data:
         raise UsageError("--epochs counts passes over --data FILE: give one, or --steps for synthetic data")
     plan = Plan.load(args.plan)
+    try:
+        resolve_precision(plan, args.precision)       # refused before the model is built
+    except UsageError as e:
+        raise UsageError(f"{args.plan}: {e}") from None
     _warn_on_threads(plan, args)
     program = Program.load(args.program) if args.program else None
     for option, path, example in (("--trace", args.trace, "trace.json"), ("--plot", args.plot, "gantt.png")):
@@ -149,7 +155,7 @@ def _run(args):
                 checkpoint_dir=Path(args.checkpoint) if args.checkpoint else None,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, memory_cap=cap,
                 progress=not args.no_progress, seed=args.seed, program=program, clip_grad_norm=args.clip_grad_norm,
-                trace=bool(args.trace or args.plot or not args.no_compare))
+                trace=bool(args.trace or args.plot or not args.no_compare), precision=args.precision)
     from harmony_opt.runtime.launch import torchrun_rank
     if torchrun_rank():         # under torchrun the summary, trace and plot come from rank 0 only
         return

@@ -206,7 +206,9 @@ class LayerBytes:
     ``saved_storage[l]`` the same with each storage once, ``saved_input[l]`` and
     ``saved_output[l]`` how many of those are the layer's own input and output (empty: not
     known; a recompute is then priced as saved);
-    ``target``: bytes per sample of the targets.
+    ``target``: bytes per sample of the targets; ``saved_fixed[l]``: bytes layer ``l``'s graph saves
+    once per microbatch whatever its size (under bf16 autocast, the bf16 copies of its weights;
+    empty: none), on top of ``saved`` and ``saved_storage`` per sample.
 
     ``granularity``: what the device's allocator rounds each tensor up to (512 on CUDA,
     :func:`~harmony_opt.core.units.alloc_granularity`); above 1, :meth:`alloc_bytes` adds the
@@ -214,7 +216,8 @@ class LayerBytes:
     adds to its weights, buffers, optimizer state: exact when measured on the model, an upper
     bound from a profile's tensor counts), an activation or target rounded as the one tensor it
     is, and ``granularity - 1`` for each of the ``saved_tensors[l]`` tensors a saved graph holds
-    per layer (an upper bound: their sizes scale with the microbatch).
+    per layer (an upper bound: their sizes scale with the microbatch; under bf16 the weight copies
+    of ``saved_fixed`` are among them).
     """
 
     weights: tuple[int, ...]
@@ -231,13 +234,14 @@ class LayerBytes:
     buffers_pad: tuple[int, ...] = ()
     optimizer_pad: tuple[int, ...] = ()
     saved_tensors: tuple[int, ...] = ()
+    saved_fixed: tuple[float, ...] = ()
 
     def __post_init__(self):
         n = len(self.weights)
         if isinstance(self.granularity, bool) or not isinstance(self.granularity, int) or self.granularity < 1:
             raise ProgramError(f"layer bytes: granularity must be a whole number >= 1, got {self.granularity!r}")
         if any(len(getattr(self, f)) not in (0, n) for f in ("weights_pad", "buffers_pad", "optimizer_pad",
-                                                                  "saved_tensors")):
+                                                                  "saved_tensors", "saved_fixed")):
             raise ProgramError("layer bytes: every per-layer list must have one entry per layer")
         if any(len(getattr(self, f)) != n for f in ("buffers", "optimizer", "input", "saved")) or \
                 len(self.saved_input) not in (0, n) or len({len(self.saved_storage), len(self.saved_input), len(self.saved_output)}) > 1:
@@ -249,21 +253,27 @@ class LayerBytes:
 
     @classmethod
     def from_profile(cls, profile, u: int, granularity: int | None = None) -> "LayerBytes":
-        """Sizes from a Profile at microbatch ``u`` (per-sample activations scale linearly), rounded
-        to ``granularity`` (default: the profile's ``alloc_granularity``) from its tensor counts."""
+        """Sizes from a Profile at microbatch ``u`` (per-sample activations scale linearly; a bf16
+        profile's weight copies, ``cast_bytes``, are taken out of the saved bytes as once per microbatch),
+        rounded to ``granularity`` (default: the profile's ``alloc_granularity``) from its tensor counts
+        (the weight copies are among the ``saved_tensors``)."""
         lay = profile.layers.sort_values("layer")
         bwd = profile.costs("BWD", u)
         rec = profile.recompute_saved_at(u)
         g = profile.alloc_granularity if granularity is None else granularity
+        cast = [float(x) for x in profile.cast_bytes()]
+        fixed = {"saved_fixed": tuple(cast)} if any(cast) else {}
+        per = {} if rec is None else {f: tuple(float(x) / u for x in col) for f, col in
+                                      zip(("saved_storage", "saved_input", "saved_output"), rec)}
+        if fixed and per:
+            per["saved_storage"] = tuple((float(x) - c) / u for x, c in zip(rec[0], cast))
         return cls(**profile.alloc_pads(g),
                    weights=tuple(int(x) for x in lay["param_bytes"]),
                    buffers=tuple(int(x) for x in lay["buffer_bytes"]),
                    optimizer=tuple(int(x) for x in lay["optimizer_state_bytes"]),
                    input=tuple(float(x) / u for x in profile.input_bytes_at(u)),
-                   saved=tuple(float(x) / u for x in bwd.saved[:profile.num_layers]),
-                   target=float(profile.meta.get("target_bytes_per_sample", 0.0)),
-                   **({} if rec is None else {f: tuple(float(x) / u for x in col) for f, col in
-                                              zip(("saved_storage", "saved_input", "saved_output"), rec)}))
+                   saved=tuple((float(x) - c) / u for x, c in zip(bwd.saved[:profile.num_layers], cast)),
+                   target=float(profile.meta.get("target_bytes_per_sample", 0.0)), **per, **fixed)
 
     def key_bytes(self, key: tuple) -> int:
         """Bytes of one device tensor named by a key of :func:`effects`."""
@@ -279,7 +289,7 @@ class LayerBytes:
         if kind == "T":
             return int(self.target * key[2])
         if kind == "G":
-            return int(sum(self.saved[key[1]:key[2] + 1]) * key[4])
+            return int(sum(self.saved[key[1]:key[2] + 1]) * key[4] + sum(self.saved_fixed[key[1]:key[2] + 1]))
         raise ProgramError(f"unknown device tensor {key!r}")
 
     def tensor_bytes(self, ins: "Instr", key: tuple) -> int:
@@ -289,7 +299,8 @@ class LayerBytes:
         if ins.kind is Kind.REC and key[0] == "G" and self.saved_input:
             a, b = key[1], key[2]
             shared = sum(min(self.saved_output[l - 1], self.saved_input[l]) for l in range(a + 1, b + 1))
-            return int((sum(self.saved_storage[a:b + 1]) - self.saved_input[a] - shared) * key[4])
+            return int((sum(self.saved_storage[a:b + 1]) - self.saved_input[a] - shared) * key[4]
+                       + sum(self.saved_fixed[a:b + 1]))
         return self.key_bytes(key)
 
     def alloc_bytes(self, ins: "Instr", key: tuple) -> int:
@@ -314,7 +325,10 @@ class LayerBytes:
         return n
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.saved_fixed:        # fp32: the programs' JSON as it has always been
+            del d["saved_fixed"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerBytes":

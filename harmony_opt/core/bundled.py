@@ -49,8 +49,11 @@ def profile_ident(profile: Profile) -> dict:
     hash, and, for a profile loaded from a folder that is not the bundled profile of that name, the
     folder's absolute path, so that the commands that take the plan (simulate, check) find the profile
     without --profile. Plans of bundled (and in-memory) profiles carry only the name and the hash, as
-    they always have."""
+    they always have; a profile measured in another precision than fp32 adds it ("precision": "bf16"),
+    which the runtime runs the plan in."""
     ident = {"name": profile.name, "identity": profile.identity}
+    if profile.precision != "fp32":
+        ident["precision"] = profile.precision
     folder = Path(profile.source)
     if profile.source.startswith("<") or not folder.is_dir():
         return ident

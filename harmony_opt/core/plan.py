@@ -44,6 +44,7 @@ from typing import Any
 
 from .errors import PlanError
 from .io import atomic_write_text, read_json
+from .precision import PRECISIONS
 
 PLAN_VERSION = 1
 MODES = ("vPP", "vDP")
@@ -118,7 +119,8 @@ class Plan:
     transfer_order: tuple[StreamOrder, ...] | None = None   # None: Harmony's rule (see the module docstring)
     cost_model: str = "default"
     memory_cap: int | None = None
-    profile: dict = dataclasses.field(default_factory=dict)    # {"name", "identity"[, "path"]} (bundled.profile_ident)
+    # {"name", "identity"[, "precision"][, "path"]} (bundled.profile_ident)
+    profile: dict = dataclasses.field(default_factory=dict)
     hardware: dict = dataclasses.field(default_factory=dict)   # Hardware.to_dict()
     simulated_iteration_time_s: float | None = None
     search_time_s: float | None = None
@@ -154,6 +156,11 @@ class Plan:
         microbatch sizes are ``sent`` (producer) and ``received`` (consumer), stays on the GPU
         (see ``gpu_handoff``)."""
         return self.gpu_handoff and len(sent) == 1 and tuple(sent) == tuple(received)
+
+    @property
+    def precision(self) -> str:
+        """The precision of the profile the plan was made from: the runtime's ("fp32" without the key)."""
+        return (self.profile or {}).get("precision", "fp32")
 
     def option(self, bwd_index: int) -> PackOptions:
         return self.options[bwd_index]
@@ -242,6 +249,10 @@ class Plan:
             if ident and ident != profile.identity:
                 raise PlanError(f"plan was made for profile {self.profile.get('name')!r} ({ident}), not "
                                 f"{profile.name!r} ({profile.identity}); re-plan with this profile")
+            made = self.profile.get("precision", "fp32")
+            if made != profile.precision:
+                raise PlanError(f"plan was made from a profile measured in {made}, but profile {profile.name!r} was "
+                                f"measured in {profile.precision}; re-plan with this profile")
             for phase, u in (("FWD", self.microbatch_fwd), ("BWD", self.microbatch_bwd)):
                 if phase == "FWD" and not self.packs_fwd:
                     continue    # one backward pack runs its own forward: the FWD size is never looked up
@@ -346,6 +357,9 @@ class Plan:
         for k in ("profile", "hardware", "stats"):
             if not isinstance(kw.get(k, {}), dict):
                 raise PlanError(f"{source}: field {k} must be an object, got {type(kw[k]).__name__}")
+        if kw.get("profile", {}).get("precision", "fp32") not in PRECISIONS:
+            raise PlanError(f"{source}: field profile.precision must be one of {', '.join(PRECISIONS)}, got "
+                            f"{kw['profile']['precision']!r}")
         if kw.get("cost_model", "default") not in ("default", "harmony"):
             raise PlanError(f"{source}: field cost_model must be default or harmony, got {kw['cost_model']!r}")
         try:

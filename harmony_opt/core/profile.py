@@ -5,7 +5,10 @@ A Profile is two tables (DESIGN.md):
 * ``layers``: one row per layer: ``layer, param_bytes, buffer_bytes,
   optimizer_state_bytes, cpu_update_s``, and optionally ``param_tensors``,
   ``buffer_tensors`` and ``optimizer_state_tensors`` (how many tensors those bytes are in,
-  which the CUDA caching allocator rounds one by one; see :attr:`Profile.alloc_granularity`).
+  which the CUDA caching allocator rounds one by one; see :attr:`Profile.alloc_granularity`),
+  and in a bf16 profile ``cast_bytes``: the bf16 copies of the layer's weights that autocast
+  makes for its forward, which a recompute's graph keeps once per microbatch (whatever its
+  size) and which ``saved_bytes`` (and ``saved_tensors``) include.
 * ``microbatch``: one row per (phase, microbatch size, layer): ``phase`` (FWD or
   BWD; BWD includes the recompute of the forward), ``microbatch``, ``layer``,
   ``gpu_time_s``, ``peak_memory_bytes``, ``input_bytes``, and optionally
@@ -16,7 +19,8 @@ A Profile is two tables (DESIGN.md):
   recompute shares with the input the runtime holds anyway, and its output, which
   the next layer of a pack may save again), ``saved_tensors`` (how many tensors those are).
 
-plus ``meta.json``. Every quantity of a contiguous pack ``[a, b]`` (inclusive) at a
+plus ``meta.json`` (``precision``: "fp32", or "bf16" for a profile measured under bf16 autocast,
+:mod:`harmony_opt.core.precision`; absent means fp32). Every quantity of a contiguous pack ``[a, b]`` (inclusive) at a
 microbatch size ``u`` is answered in O(1) from prefix sums computed once per
 ``(phase, u)`` with numpy (:class:`PhaseCosts`).
 
@@ -38,6 +42,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import ProfileError, UsageError
+from .precision import PRECISIONS
 from .io import atomic_write_bytes, atomic_write_text, read_json
 from .units import alloc_granularity
 
@@ -58,7 +63,9 @@ MICROBATCH_COLUMNS = {
     "peak_memory_bytes": "int",
     "input_bytes": "int",
 }
-OPTIONAL_LAYER_COLUMNS = {"param_tensors": "int", "buffer_tensors": "int", "optimizer_state_tensors": "int"}
+#: How many tensors a layer's weights, buffers and optimizer state are in (all three or none).
+TENSOR_COUNT_COLUMNS = {"param_tensors": "int", "buffer_tensors": "int", "optimizer_state_tensors": "int"}
+OPTIONAL_LAYER_COLUMNS = {**TENSOR_COUNT_COLUMNS, "cast_bytes": "int"}
 OPTIONAL_MICROBATCH_COLUMNS = {"saved_bytes": "int", "saved_storage_bytes": "int", "saved_input_bytes": "int",
                                "saved_output_bytes": "int", "saved_tensors": "int"}
 _RECOMPUTE_COLUMNS = ("saved_storage_bytes", "saved_input_bytes", "saved_output_bytes")
@@ -140,6 +147,10 @@ class Profile:
     # -- construction -----------------------------------------------------------------
     def __post_init__(self):
         _validate(self.layers, self.microbatch, self.source)
+        precision = self.meta.get("precision", "fp32")
+        if precision not in PRECISIONS:
+            raise ProfileError(f"{self.source}/meta.json: precision {precision!r} is not one of "
+                               f"{', '.join(PRECISIONS)}")
         R = len(self.layers)
         lay = self.layers.sort_values("layer")
         object.__setattr__(self, "_static", {
@@ -176,6 +187,19 @@ class Profile:
     def size_range(self, phase: str) -> tuple[int, int]:
         s = self.sizes(phase)
         return int(s[0]), int(s[-1])
+
+    @property
+    def precision(self) -> str:
+        """"fp32", or "bf16" for a profile measured under bf16 autocast (core.precision)."""
+        return self.meta.get("precision", "fp32")
+
+    def cast_bytes(self) -> np.ndarray:
+        """Per layer: the bf16 weight copies autocast keeps in a recompute's graph, once per
+        microbatch (zeros for an fp32 profile)."""
+        lay = self.layers.sort_values("layer")
+        if "cast_bytes" not in lay:
+            return np.zeros(self.num_layers, dtype=np.int64)
+        return lay["cast_bytes"].to_numpy(np.int64)
 
     @property
     def has_saved_bytes(self) -> bool:
@@ -251,7 +275,7 @@ class Profile:
     @property
     def has_tensor_counts(self) -> bool:
         """Whether the layers table says how many tensors each layer's bytes are in."""
-        return set(OPTIONAL_LAYER_COLUMNS) <= set(self.layers)
+        return set(TENSOR_COUNT_COLUMNS) <= set(self.layers)
 
     @property
     def alloc_granularity(self) -> int:
@@ -288,7 +312,7 @@ class Profile:
         if not self.has_tensor_counts:
             return {}
         lay = self.layers.sort_values("layer")
-        out = {c: lay[c].to_numpy(np.int64) for c in OPTIONAL_LAYER_COLUMNS}
+        out = {c: lay[c].to_numpy(np.int64) for c in TENSOR_COUNT_COLUMNS}
         bwd = self.microbatch[self.microbatch["phase"] == "BWD"]
         if "saved_tensors" in bwd:
             out["saved_tensors"] = (bwd.groupby("layer")["saved_tensors"].max()
@@ -320,12 +344,16 @@ class Profile:
         """Rounding added to each layer's peak where the peak is not the CUDA allocator's own
         (``torch.cuda.max_memory_allocated`` counts rounded blocks already) but a CPU profile's exact
         estimate planned for a rounding device: ``granularity - 1`` for each of its tensors (weights,
-        buffers, input, output; in the backward also dW, the saved activations and dX)."""
+        buffers, input, output; in the forward of a bf16 profile also autocast's weight copies, at most
+        one per weight, an upper bound; in the backward also dW, the saved activations, which hold
+        those copies, and dX)."""
         g = self.alloc_granularity
         if g <= 1 or self.meta.get("device_type") == "cuda" or not self.has_tensor_counts:
             return 0
         c = self.tensor_counts()
         n = c["param_tensors"] + c["buffer_tensors"] + 2
+        if phase == "FWD" and self.cast_bytes().any():
+            n = n + c["param_tensors"]
         if phase == "BWD":
             n = n + c["param_tensors"] + c.get("saved_tensors", 0) + 1
         return n * (g - 1)

@@ -61,6 +61,7 @@ import logging
 import os
 import platform
 import time
+from typing import NamedTuple
 
 import pandas as pd
 import torch
@@ -69,6 +70,7 @@ from tqdm import tqdm
 
 from ..core.errors import InfeasibleError, UsageError
 from ..core.hardware import usable_cores
+from ..core.precision import autocast, check_precision, low_dtype
 from ..core.profile import Profile
 from .decompose import LayeredModel
 from .flags import layer_signature, profile_flags
@@ -94,16 +96,20 @@ class Measurement:
     saved_input_bytes: int = 0
     saved_output_bytes: int = 0
     saved_tensors: int = 0
+    cast_bytes: int = 0
 
 
 def profile_model(model: LayeredModel, microbatches: list[int], device: str = "cpu", *, repeats: int = 5,
                   max_repeats: int | None = None, warmup: int = 1, threads: int | None = None,
-                  remeasure: bool = True, progress: bool = True, seed: int = 0) -> Profile:
+                  remeasure: bool = True, progress: bool = True, seed: int = 0, precision: str = "fp32") -> Profile:
     """Profile every layer of ``model`` at every size in ``microbatches`` on ``device`` ("cpu" or "cuda").
 
     ``repeats``/``max_repeats`` (default 4 x repeats): the fewest and most timed runs per measurement;
-    ``threads``: intra-op threads (default: the executor's); ``remeasure``: measure flagged layers again.
+    ``threads``: intra-op threads (default: the executor's); ``remeasure``: measure flagged layers again;
+    ``precision``: "fp32", or "bf16" to measure every forward and backward under bf16 autocast (with
+    fp32 weights), as the runtime then runs them (recorded as ``meta["precision"]``).
     """
+    precision = check_precision(precision)
     dev = resolve_device(device)
     sizes = check_sizes(microbatches)
     timing = dict(repeats=repeats, max_repeats=check_repeats(repeats, max_repeats, warmup), warmup=warmup)
@@ -125,8 +131,12 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
     with intra_op_threads(threads):
         call = cpu_call_time(optimizer, max(timing["repeats"], 5))
         layers, micro, signatures, skipped, remeasured, target = _profile_layers(
-            model, sizes, dev, optimizer, timing, threads, remeasure, progress, seed, call)
+            model, sizes, dev, optimizer, timing, threads, remeasure, progress, seed, call, precision)
     meta = _meta(model, dev, optimizer, timing, skipped, threads, target)
+    if precision != "fp32":
+        meta["precision"] = precision
+        if dev.type == "cpu":
+            meta["peak_memory"] += "; FWD also holds autocast's bf16 weight copies (cast_bytes)"
     meta.update(layer_signatures=signatures, load_average=load, cores=usable_cores(), remeasured=remeasured,
                 cpu_update_call_s=call)
     prof = Profile(model.name, layers, micro, meta)
@@ -137,7 +147,8 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
 
 
 def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, optimizer: str, timing: dict,
-                    threads: int, remeasure: bool, progress: bool, seed: int, call: float = 0.0):
+                    threads: int, remeasure: bool, progress: bool, seed: int, call: float = 0.0,
+                    precision: str = "fp32"):
     """The two tables, the layers' signatures, the sizes skipped, the [layer, size] measured twice and the
     targets' bytes per sample."""
     gen = torch.Generator().manual_seed(seed)
@@ -163,7 +174,7 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
                     if remeasure:
                         kept_inputs.setdefault((signatures[-1], u), acts[u])
                     try:
-                        m, out = _measure(layer, acts[u], target, dev, timing, base)
+                        m, out = _measure(layer, acts[u], target, dev, timing, base, precision)
                     except torch.cuda.OutOfMemoryError:
                         if u == sizes[0]:
                             raise InfeasibleError(
@@ -177,6 +188,8 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
                         rows = [r for r in rows if r["microbatch"] < u]
                         break
                     rows.extend(_rows(l, u, m))
+                    if precision != "fp32":
+                        static_rows[-1].setdefault("cast_bytes", m.cast_bytes)
                     acts[u] = out
             bar.update(1)
     layers = pd.DataFrame(static_rows)
@@ -189,7 +202,7 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
         for l, u in suspects:
             layer, target = model.layers[l], (batches[u][1] if l == R - 1 else None)
             with on_device(), _moved_to(layer, dev) as base:
-                m, _ = _measure(layer, kept_inputs[(signatures[l], u)], target, dev, timing, base)
+                m, _ = _measure(layer, kept_inputs[(signatures[l], u)], target, dev, timing, base, precision)
             for phase, t in (("FWD", m.fwd_time), ("BWD", m.bwd_time)):
                 at = (micro.phase == phase) & (micro.microbatch == u) & (micro.layer == l)
                 micro.loc[at, "gpu_time_s"] = micro.loc[at, "gpu_time_s"].clip(upper=t)   # the lower median
@@ -229,8 +242,10 @@ def _call(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None) -> tor
     return layer(x) if target is None else layer(x, target)
 
 
-def _measure(layer, x_host, target_host, dev, timing: dict, base) -> tuple[Measurement, torch.Tensor | None]:
-    """FWD and BWD of one layer (already on ``dev``) at one size.
+def _measure(layer, x_host, target_host, dev, timing: dict, base,
+             precision: str = "fp32") -> tuple[Measurement, torch.Tensor | None]:
+    """FWD and BWD of one layer (already on ``dev``) at one size, under ``precision``'s autocast
+    (the forward, and the backward's recompute; its backward outside, as torch runs it).
 
     Returns the measurement and the layer's output on the host (``None`` for the loss).
     Device tensors are local, so they are freed when this returns; ``base`` is the
@@ -240,7 +255,7 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base) -> tuple[Measu
     target = None if target_host is None else target_host.to(dev)
 
     def fwd():
-        with torch.no_grad():
+        with torch.no_grad(), autocast(dev.type, precision):
             return _call(layer, x, target)
 
     for _ in range(timing["warmup"]):
@@ -253,7 +268,8 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base) -> tuple[Measu
 
     def bwd():
         xi = x.detach().requires_grad_(x.is_floating_point())
-        y = _call(layer, xi, target)
+        with autocast(dev.type, precision):
+            y = _call(layer, xi, target)
         if y.requires_grad:
             y.backward(grad_out)
 
@@ -262,14 +278,15 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base) -> tuple[Measu
     layer.zero_grad(set_to_none=True)   # the peak run allocates the gradients, as a first backward does
     _, bwd_peak = _peak(bwd, dev, base)
     bwd_time = time_runs(bwd, dev, **{**timing, "warmup": 0}).seconds
-    saved, saved_storage, saved_input, saved_output, saved_tensors = saved_counts(layer, x, target, tensors=True)
+    c = saved_counts(layer, x, target, precision=precision)
+    saved, casts = c.saved, c.cast_bytes
     x_bytes = tensor_bytes(x)
     if dev.type == "cpu":
         w, b = _param_bytes(layer), _buffer_bytes(layer)
-        fwd_peak = w + b + x_bytes + out_bytes
-        bwd_peak = fwd_peak + w + saved + (x_bytes if x.is_floating_point() else 0)   # + dX
-    m = Measurement(fwd_time, bwd_time, fwd_peak, bwd_peak, x_bytes, saved, saved_storage, saved_input, saved_output,
-                    saved_tensors)
+        fwd_peak = w + b + x_bytes + out_bytes + casts      # autocast's weight copies live through the forward
+        bwd_peak = w + b + x_bytes + out_bytes + w + saved + (x_bytes if x.is_floating_point() else 0)   # + dX
+    m = Measurement(fwd_time, bwd_time, fwd_peak, bwd_peak, x_bytes, saved, c.storage, c.of_input, c.of_output,
+                    c.tensors, casts)
     return m, (None if target is not None else out_host)
 
 
@@ -322,8 +339,19 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None =
     return saved_counts(layer, x, target)[0]
 
 
-def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None = None,
-                 tensors: bool = False) -> tuple[int, ...]:
+class SavedCounts(NamedTuple):
+    """What :func:`saved_counts` counts (see there)."""
+
+    saved: int          # the larger of the next one and every saved tensor as often as saved
+    storage: int        # each storage once
+    of_input: int       # of those, the layer's input's
+    of_output: int      # and its output's
+    tensors: int        # how many tensors those bytes are in
+    cast_bytes: int     # under bf16, autocast's weight copies among them (0 for fp32)
+
+
+def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None = None, *,
+                 precision: str = "fp32") -> SavedCounts:
     """Bytes of the activations autograd saves for ``layer``'s backward on input ``x``, counted three
     ways, for the three ways the runtime holds them: the larger of the next two (what a plan is
     priced with by default); each storage once (a recompute keeps the graph's tensors, views share
@@ -332,10 +360,23 @@ def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None 
     shares them with the input the runtime holds anyway) and the output's (which the next layer
     of a pack may save as its input: one storage, counted by both layers). The layer's own
     parameters (and, but for a stash's copies, buffers) are excluded: they are resident anyway.
-    With ``tensors``, a fifth count: how many tensors those bytes are in (the more of the storages
-    and the copies), each of which a rounding allocator holds separately.
+    ``tensors`` is how many tensors those bytes are in (the more of the storages and the copies),
+    each of which a rounding allocator holds separately.
+
+    With ``precision="bf16"`` the layer runs under autocast, as the runtime runs it, and
+    ``cast_bytes`` is the bytes of the bf16 weight copies autocast made and the graph saved (each
+    once): they are part of the first two counts (and of ``tensors``), but a microbatch holds
+    them once whatever its size. A saved storage is such a copy when it holds the bf16 rounding
+    of an fp32 weight of as many elements (autocast saves it transposed, say, for a linear
+    layer: a view of the copy).
     """
     params = {t.untyped_storage().data_ptr() for t in layer.parameters()}
+    low = low_dtype(precision)
+    by_numel: dict[int, list[torch.Tensor]] = {}
+    for p in layer.parameters():
+        if low is not None and p.dtype == torch.float32:
+            by_numel.setdefault(p.numel(), []).append(p)
+    casts: dict[int, int] = {}
     resident = params | {t.untyped_storage().data_ptr() for t in layer.buffers()}
     seen: dict[int, torch.Tensor] = {}
     copies = [0, 0]     # bytes, tensors
@@ -349,6 +390,9 @@ def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None 
         if storage.data_ptr() not in params:     # a stash copies saved buffers too, only weights stay put
             copies[0] += tensor_bytes(t)
             copies[1] += 1
+        if t.dtype == low and storage.data_ptr() not in resident and storage.data_ptr() not in casts and \
+                _is_cast(storage, low, by_numel):
+            casts[storage.data_ptr()] = storage.nbytes()
         # the graph keeps nothing: it never runs backward. Handing ``t`` itself back would leak the
         # whole graph: a saved output references its own grad_fn, a cycle autograd frees only in a
         # backward (on a GPU, VGG-416's profile ran out of 80 GB by layer 25 that way).
@@ -356,7 +400,8 @@ def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None 
     def unpack(_):
         raise RuntimeError("saved_bytes' graph is for counting only")
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+            autocast(x.device.type, precision):
         y = _call(layer, x.detach().requires_grad_(x.is_floating_point()), target)
     storages = sum(t.untyped_storage().nbytes() for t in seen.values())
     own, out = x.untyped_storage(), y.untyped_storage()
@@ -365,7 +410,16 @@ def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None 
     del y
     count = max(len(seen), copies[1])
     seen.clear()    # the graph may hold the hooks, and they ``seen``: drop the tensors, or the cycle keeps them
-    return (max(storages, copies[0]), storages, of_input, of_output) + ((count,) if tensors else ())
+    return SavedCounts(max(storages, copies[0]), storages, of_input, of_output, count, sum(casts.values()))
+
+
+def _is_cast(storage, low: torch.dtype, by_numel: dict[int, list[torch.Tensor]]) -> bool:
+    """Whether ``storage`` holds exactly the ``low``-precision rounding of one of the weights."""
+    n = storage.nbytes() // low.itemsize
+    if n not in by_numel:
+        return False
+    flat = torch.empty(0, dtype=low, device=storage.device).set_(storage, 0, (n,))
+    return any(torch.equal(flat, p.detach().reshape(-1).to(low)) for p in by_numel[n])
 
 
 def _target_bytes(batches: dict) -> float:

@@ -6,7 +6,9 @@ receiving an activation or gradient allocates its buffer from them. It is also t
 that the model, the data and the plan fit together: a layer that fails on the data, or
 returns something other than one batch-first tensor, is reported by name before any
 step runs. :func:`measure_layer_bytes` prices every tensor of a Program the same way,
-for the validator's memory check.
+for the validator's memory check. Both run under the precision's autocast
+(:mod:`harmony_opt.core.precision`), as the executor runs the layers: with bf16, an input that a
+layer returns in bf16 is received and priced as bf16.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 
 from ..compile.program import LayerBytes
 from ..core.errors import DataError, UsageError
+from ..core.precision import autocast
 from ..core.units import alloc_bytes
 from .profiler import saved_counts
 
@@ -59,12 +62,13 @@ def _describe(layer: int, module: nn.Module) -> str:
     return f"layer {layer} ({type(module).__name__})"
 
 
-def boundary_shapes(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor) -> Shapes:
+def boundary_shapes(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
+                    precision: str = "fp32") -> Shapes:
     """(shape without the batch dimension, dtype) of each layer's input, from one sample."""
     R = len(layers)
     out: Shapes = []
     x = inputs[:1]
-    with torch.no_grad(), _eval(layers):
+    with torch.no_grad(), _eval(layers), autocast(inputs.device.type, precision):
         for l, layer in enumerate(layers):
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != 1:
                 raise DataError(f"{_describe(l - 1, layers[l - 1])} returns {type(x).__name__} "
@@ -82,20 +86,25 @@ def boundary_shapes(layers: list[nn.Module], inputs: torch.Tensor, targets: torc
 
 
 def measure_layer_bytes(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor,
-                        optimizer_states: int = 2, granularity: int = 1) -> LayerBytes:
+                        optimizer_states: int = 2, granularity: int = 1, precision: str = "fp32") -> LayerBytes:
     """Per-layer byte sizes per sample: weights, buffers, optimizer state (``optimizer_states``
     tensors the size of the weights: 2 for Adam), input and saved activations, measured in train
     mode on one sample, or on two where a layer refuses one in training (batch norm over a
     vector), then halved. With ``granularity`` (512 for CUDA's caching allocator), what rounding
     each tensor up to it adds: exact for weights, buffers and optimizer state, and how many
-    tensors each layer's saved activations are in."""
+    tensors each layer's saved activations are in. Under bf16, the weight copies autocast saves
+    are counted once per microbatch (``saved_fixed``), not per sample, as a profile's
+    ``cast_bytes`` are; with ``granularity`` they are among the saved tensors, rounded like them."""
     try:
-        per, n = _per_sample(layers, inputs, targets, 1), 1
+        per, n = _per_sample(layers, inputs, targets, 1, precision), 1
     except Exception:
         if inputs.shape[0] < 2:
             raise
-        per, n = _per_sample(layers, inputs, targets, 2), 2
-    inp, saved, storage, own, out = ([v / n for v in col] for col in per[:5])
+        per, n = _per_sample(layers, inputs, targets, 2, precision), 2
+    inp, saved, storage, own, out, tensors, cast = per
+    saved = [(v - c) / n for v, c in zip(saved, cast)]
+    storage = [(v - c) / n for v, c in zip(storage, cast)]
+    inp, own, out = ([v / n for v in col] for col in (inp, own, out))
     wb = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     bb = [sum(b.numel() * b.element_size() for b in layer.buffers()) for layer in layers]
     pads = {}
@@ -105,26 +114,28 @@ def measure_layer_bytes(layers: list[nn.Module], inputs: torch.Tensor, targets: 
         wp = [pad(layer.parameters(), w) for layer, w in zip(layers, wb)]
         pads = dict(granularity=granularity, weights_pad=tuple(wp),
                     buffers_pad=tuple(pad(layer.buffers(), b) for layer, b in zip(layers, bb)),
-                    optimizer_pad=tuple(optimizer_states * p for p in wp), saved_tensors=tuple(int(v) for v in per[5]))
+                    optimizer_pad=tuple(optimizer_states * p for p in wp), saved_tensors=tuple(int(v) for v in tensors))
     return LayerBytes(weights=tuple(wb), buffers=tuple(bb),
                       optimizer=tuple(optimizer_states * w for w in wb), input=tuple(inp), saved=tuple(saved),
                       target=float(targets[:1].numel() * targets.element_size()), saved_storage=tuple(storage),
-                      saved_input=tuple(own), saved_output=tuple(out), **pads)
+                      saved_input=tuple(own), saved_output=tuple(out),
+                      saved_fixed=tuple(cast) if any(cast) else (), **pads)
 
 
-def _per_sample(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor, n: int) -> list[list[float]]:
-    """Input bytes, the four saved counts (profiler.saved_counts) and the saved tensors of every layer
-    on ``n`` samples."""
+def _per_sample(layers: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor, n: int,
+                precision: str = "fp32") -> list[list[float]]:
+    """Input bytes and the six saved counts (profiler.saved_counts: four byte counts, the saved
+    tensors, the weight copies' bytes) of every layer on ``n`` samples."""
     R = len(layers)
-    cols: list[list[float]] = [[], [], [], [], [], []]
+    cols: list[list[float]] = [[] for _ in range(7)]
     # copies, not views: a view of the minibatch would be priced as the minibatch's whole storage
     x, target = inputs[:n].clone(), targets[:n].clone()
     with _as_in_training(layers):
         for l, layer in enumerate(layers):
             cols[0].append(float(x.numel() * x.element_size()))
-            for col, v in zip(cols[1:], saved_counts(layer, x, target if l == R - 1 else None, tensors=True)):
+            for col, v in zip(cols[1:], saved_counts(layer, x, target if l == R - 1 else None, precision=precision)):
                 col.append(float(v))
-            with torch.no_grad():
+            with torch.no_grad(), autocast(x.device.type, precision):
                 x = layer(x) if l < R - 1 else x
     return cols
 
