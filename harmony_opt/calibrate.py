@@ -107,6 +107,24 @@ def idle_time(timeline: Timeline, rank: int = 0) -> float:
     return max(float(timeline.iteration_time) - covered, 0.0)
 
 
+#: The fixed costs a rank that runs its instructions one at a time pays between them as well.
+GAP_FIELDS = ("issue_overhead_s", "h2d_latency_s", "d2h_latency_s")
+
+
+def instruction_gap(measured: Timeline) -> float:
+    """Mean seconds between a rank's consecutive instructions where nothing overlaps (the CPU device):
+    the step's time with no event running, over the instructions timed on its one thread (the CPU
+    optimizer's worker thread aside), averaged over the ranks. On such a device every instruction
+    pays it, whatever its kind, so it goes into each one's fixed cost."""
+    ev = measured.events
+    gaps = []
+    for r in sorted(set(int(x) for x in ev["rank"])):
+        n = int(((ev["rank"] == r) & (ev["stream"] != "cpu")).sum())
+        if n:
+            gaps.append(idle_time(measured, r) / n)
+    return float(np.mean(gaps)) if gaps else 0.0
+
+
 # -- matching ---------------------------------------------------------------------------------------------
 
 def _anchors(plan) -> dict[str, dict[int, str]]:
@@ -226,6 +244,11 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
     fits: dict[str, Fit] = {}
     price: dict[str, tuple[float, float]] = {}      # work -> (seconds per unit of x, seconds per event)
     notes = []
+    gap = 0.0 if hardware.copy_overlap else instruction_gap(measured)
+    if gap:
+        notes.append(f"{gap * 1e6:.0f} us between consecutive instructions (the executor's own work and its "
+                     f"untimed frees) is added to every instruction's fixed cost: issue_overhead_s, "
+                     f"h2d_latency_s and d2h_latency_s")
     for name, (works, slope_field, fixed_field) in TERMS.items():
         keys = [k for k in sim if k[1] in works and k in got]
         bytes_x = name in ("host -> GPU", "GPU -> host")
@@ -239,6 +262,8 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
             if any(k[1] in works for k in sim):
                 notes.append(f"{name}: no measured event matches a simulated one: kept as it was")
             continue
+        if fixed_field in GAP_FIELDS:
+            fixed += gap
         used = old if slope is None else slope
         price.update({w: (used, fixed) for w in works})
         changes.update(_fields(hardware, slope_field, used, fixed_field, fixed))

@@ -225,3 +225,27 @@ def test_calibrate_refuses_bad_input_in_one_line(tiny, capsys):
             (["calibrate", plan, "--model", "gpt2-tiny", "-o", str(tiny / "x.txt")], ".toml or .json")):
         _one_line_error(capsys, argv, fragment)
     assert not (tiny / "x.toml").exists()
+
+
+def test_time_between_instructions_goes_into_each_fixed_cost_on_a_serial_device():
+    """On a device that runs a rank's instructions one at a time, the executor's own work between them
+    is time no event shows: the fit spreads it over every instruction's fixed cost, once."""
+    prof, plan = synthetic_profile(R=8), _plan()
+    hw = dataclasses.replace(HW.with_gpus(1), copy_overlap=False)
+    sim = simulate(plan, prof, neutral(hw))
+    step = _synthetic(sim, 1)
+    ev = step.events.sort_values("start")
+    ev = ev[ev.stream != "cpu"].reset_index(drop=True)     # (CPU steps run on a thread beside)
+    gap, t = 40e-6, 0.0
+    for i in ev.index:                  # serial: each event starts a gap after the one before it ends
+        d = ev.at[i, "end"] - ev.at[i, "start"]
+        ev.at[i, "start"] = t + gap
+        ev.at[i, "end"] = t = t + gap + d
+    spaced = Timeline(ev, t, ranks=1, meta={"source": "measured"})
+    assert idle_time(spaced) == pytest.approx(gap * len(ev))
+    overlapped = fit_hardware(spaced, sim, dataclasses.replace(hw, copy_overlap=True), plan).hardware
+    serial = fit_hardware(spaced, sim, hw, plan)
+    for field in ("issue_overhead_s", "h2d_latency_s", "d2h_latency_s"):
+        _close(getattr(serial.hardware, field), getattr(overlapped, field) + gap)
+    _close(serial.hardware.compute_scale, COMPUTE)
+    assert any("between consecutive instructions" in n for n in serial.notes)

@@ -78,7 +78,8 @@ def _calibrate(args):
           f"({it['measured'] / it['before']:.2f}x), {it['after']:.4f} s after ({it['measured'] / it['after']:.2f}x)")
     print(f"no event running on rank 0: measured {it['measured_idle'] * 1e3:.3f} ms, simulated "
           f"{it['before_idle'] * 1e3:.3f} ms before, {it['after_idle'] * 1e3:.3f} ms after (in a measured step: the "
-          f"executor's own work between instructions, which no term prices)")
+          f"executor's own work between instructions; where copies do not overlap compute, the fit prices it "
+          f"in each instruction's fixed cost)")
     for line in _term_lines(cal, hw):
         print(line)
     for note in cal.notes:
