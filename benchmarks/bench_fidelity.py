@@ -1,0 +1,208 @@
+"""Benchmark: does the simulator predict what the executor measures, before and after calibration?
+
+The closed loop a user runs on their own machine, on this machine's CPU: profile each model, probe
+the machine, calibrate the hardware on Harmony's plan (``harmony-opt calibrate``'s library call),
+plan again with the calibrated hardware, then train every planner's plan for a few steps and
+compare its measured step time (median over the steps after the first) with its simulated one.
+
+Cases: a transformer (GPT-2), a CNN (VGG) and a model of at least 12 layers (BERT), two memory
+caps each, and the plans of ``plan`` (cp-sat), ``plan --harmony-space``, Harmony's search, L2L and
+naive swapping. Reported per case, uncalibrated (the probed hardware) and calibrated:
+
+* measured / simulated step time of every plan (target after calibration: within +-10 % for
+  the plans other than the one calibrated on);
+* Kendall's tau between the simulated and the measured order of the plans (target >= 0.8);
+* whether our plan is measured fastest, or within 2 % of the fastest.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py        # writes benchmarks/results/fidelity.{csv,md,png}
+    python benchmarks/bench_fidelity.py --quick                    # one model, one cap (a smoke test)
+
+Run it on a quiet machine: every figure is a wall-clock time.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+from harmony_opt.calibrate import calibrate
+from harmony_opt.core.errors import HarmonyOptError
+from harmony_opt.core.io import atomic_write_bytes, write_results
+from harmony_opt.measure.models import build_model
+from harmony_opt.measure.probe import probe_hardware
+from harmony_opt.measure.profiler import profile_model
+from harmony_opt.planners.registry import get_planner
+from harmony_opt.report import machine_description, markdown_table
+from harmony_opt.sim.simulator import simulate
+from harmony_opt.training import train
+
+#: (label, built-in model, overrides): a transformer, a CNN, and one with >= 12 layers
+MODELS = (("gpt2", "gpt2-tiny", {"n_layer": 6, "n_embd": 128, "sequence_length": 32}),
+          ("vgg", "vgg-tiny", {}),
+          ("bert-12", "bert-tiny", {"num_layers": 12, "hidden_size": 96, "intermediate_size": 384}))
+#: memory caps as multiples of the largest layer's backward working set at microbatch 1
+CAP_FACTORS = (1.6, 4.0)
+BATCH = 8
+SIZES = [1, 2, 4, 8]
+#: (label, registry planner, its options); the first is ours
+PLANNERS = (("cp-sat", "cp-sat", dict(time_limit=5, processes=1)),
+            ("cp-sat --harmony-space", "cp-sat", dict(time_limit=5, processes=1, harmony_space=True)),
+            ("harmony", "harmony", dict(mode="vPP")),
+            ("l2l", "l2l", {}),
+            ("naive-swap", "naive-swap", {}))
+CALIBRATE_ON = "harmony"
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-b of two rankings (ties count for neither side)."""
+    conc = disc = ta = tb = 0
+    for i, j in itertools.combinations(range(len(a)), 2):
+        da, db = a[i] - a[j], b[i] - b[j]
+        if da == 0 and db == 0:
+            continue
+        if da == 0:
+            ta += 1
+        elif db == 0:
+            tb += 1
+        elif (da > 0) == (db > 0):
+            conc += 1
+        else:
+            disc += 1
+    denom = ((conc + disc + ta) * (conc + disc + tb)) ** 0.5
+    return (conc - disc) / denom if denom else 1.0
+
+
+def measure(model, plan, steps: int) -> tuple[float, object]:
+    """Median step time after the first step, and the last step's measured timeline."""
+    res = train(model, plan, steps=steps, progress=False, trace=True)
+    return statistics.median(res.iteration_times[1:]), res.timeline()
+
+
+def make_plans(profile, hw, cap) -> dict:
+    plans = {}
+    for label, name, opts in PLANNERS:
+        try:
+            plans[label] = get_planner(name)(profile, hw, BATCH, cap, gpus=1, **opts)
+        except HarmonyOptError as e:
+            print(f"  {label}: no plan ({e})", flush=True)
+    return plans
+
+
+def run_case(label, model_name, overrides, factor, profile, hw, steps) -> list[dict]:
+    model = build_model(model_name, **overrides)
+    least = max(profile.costs("BWD", 1).pack_memory(i, i) for i in range(profile.num_layers))
+    cap = int(least * factor)
+    rows = []
+    for stage, hardware in (("uncalibrated", hw), ("calibrated", None)):
+        if hardware is None:        # calibrate on Harmony's plan made with the probed hardware
+            base = make_plans(profile, hw, cap).get(CALIBRATE_ON)
+            if base is None:
+                break
+            _, trace = measure(model, base, steps)
+            hardware = calibrate(base, profile, hw, trace).hardware
+        plans = make_plans(profile, hardware, cap)
+        for name, plan in plans.items():
+            sim = simulate(plan, profile, hardware, with_timeline=False).iteration_time
+            t, _ = measure(model, plan, steps)
+            rows.append(dict(model=label, cap=cap, cap_factor=factor, stage=stage, planner=name,
+                             simulated_s=sim, measured_s=t, ratio=t / sim))
+            print(f"  {label} cap {cap} ({factor}x) {stage:12s} {name:24s} simulated {sim:.4f} s "
+                  f"measured {t:.4f} s ({t / sim:.2f}x)", flush=True)
+    return rows
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    out = []
+    for (model, cap, stage), g in df.groupby(["model", "cap", "stage"], sort=False):
+        others = g[g.planner != CALIBRATE_ON] if stage == "calibrated" else g
+        ours = g[g.planner == PLANNERS[0][0]]
+        best = g.measured_s.min()
+        out.append(dict(model=model, cap=cap, stage=stage, plans=len(g),
+                        worst_error_pct=100 * (others.ratio - 1).abs().max(),
+                        kendall_tau=kendall_tau(list(g.simulated_s), list(g.measured_s)),
+                        ours_vs_fastest_pct=100 * (ours.measured_s.iloc[0] / best - 1) if len(ours) else float("nan")))
+    return pd.DataFrame(out)
+
+
+def plot(df: pd.DataFrame, path: Path) -> Path:
+    """Measured against simulated step time of every plan, before and after calibration, with the
+    +-10 % band: points on the diagonal are plans whose promise held."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharex=True, sharey=True)
+    top = 1.1 * float(max(df.simulated_s.max(), df.measured_s.max()))
+    markers = dict(zip([p[0] for p in PLANNERS], "o^sDv"))
+    colors = dict(zip(df.model.unique(), ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
+    for ax, stage in zip(axes, ("uncalibrated", "calibrated")):
+        ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="0.9", label="within 10 %")
+        ax.plot([0, top], [0, top], color="0.5", lw=0.8)
+        g = df[df.stage == stage]
+        for (model, planner), h in g.groupby(["model", "planner"], sort=False):
+            ax.scatter(h.simulated_s, h.measured_s, marker=markers.get(planner, "o"), color=colors[model],
+                       s=28, label=f"{model}, {planner}")
+        ax.set_title(f"{stage} hardware")
+        ax.set_xlabel("simulated step (s)")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+    axes[0].set_ylabel("measured step (s)")
+    handles, labels = axes[1].get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    fig.legend(seen.values(), seen.keys(), loc="center right", fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.78, 1))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one model, one cap")
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw OUT.png from OUT.csv")
+    args = ap.parse_args(argv)
+    if args.plot_only:
+        print(f"wrote {plot(pd.read_csv(Path(args.out).with_suffix('.csv')), Path(args.out).with_suffix('.png'))}")
+        return 0
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    print("probing this machine ...", flush=True)
+    hw = probe_hardware("cpu", threads=torch.get_num_threads()).with_gpus(1)
+    rows = []
+    models = MODELS[:1] if args.quick else MODELS
+    for label, name, overrides in models:
+        print(f"profiling {label} ...", flush=True)
+        profile = profile_model(build_model(name, **overrides), SIZES, "cpu", progress=False)
+        for factor in CAP_FACTORS[:1] if args.quick else CAP_FACTORS:
+            rows += run_case(label, name, overrides, factor, profile, hw, args.steps)
+    df = pd.DataFrame(rows)
+    summary = summarize(df)
+    out = Path(args.out)
+    cmd = "OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py" + (" --quick" if args.quick else "")
+    text = ["# Simulated against measured step time, before and after calibration\n",
+            f"`{cmd}` ({time.perf_counter() - t0:.0f} s); {machine_description()}; "
+            f"{torch.get_num_threads()} intra-op thread(s); batch {BATCH}, {args.steps} steps per run "
+            f"(the median of all but the first); calibrated on {CALIBRATE_ON}'s plan.\n",
+            "## Per case\n", markdown_table(summary, floatfmt=".3f"), "",
+            "## Per plan\n", markdown_table(df, floatfmt=".4f"), ""]
+    write_results(out, df, "\n".join(text))
+    plot(df, out.with_suffix(".png"))
+    print(markdown_table(summary, floatfmt=".3f"))
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.csv')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
