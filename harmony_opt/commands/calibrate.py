@@ -6,9 +6,9 @@ import datetime
 from pathlib import Path
 
 from ..core.errors import PlanError, UsageError
-from ..core.hardware import Hardware, get_hardware
+from ..core.hardware import Hardware
 from ..core.plan import Plan
-from .common import MODEL_HELP, plan_profile, writable_file, written
+from .common import MODEL_HELP, plan_hardware, plan_profile, writable_file, written
 from .measure import add_overrides
 
 
@@ -47,12 +47,7 @@ def _calibrate(args):
         raise UsageError(f"-o {args.output}: give a .toml or .json file name, as --hardware reads them")
     writable_file(args.output, "-o", "hardware.toml")
     plan = Plan.load(args.plan)
-    if args.hardware:
-        hw = get_hardware(args.hardware)
-    elif plan.hardware:
-        hw = Hardware.from_dict(plan.hardware, f"{args.plan}: hardware")
-    else:
-        raise UsageError(f"{args.plan}: the plan names no hardware; pass --hardware")
+    hw = plan_hardware(plan, args.plan, args.hardware)
     profile = plan_profile(plan, args.plan, args.profile)
     try:
         plan.check_against(profile, hw)

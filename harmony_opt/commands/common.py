@@ -14,6 +14,17 @@ MODEL_HELP = ("a built-in model name (gpt2-tiny, gpt2-xl, bert-large, ...), or y
               "KEY=VALUE are its keyword arguments)")
 
 
+def plan_hardware(plan, plan_path, override: str | None):
+    """The hardware a plan is simulated or calibrated on: ``override`` (a --hardware argument), else
+    the one the plan records; a plan that records none needs --hardware."""
+    from ..core.hardware import Hardware, get_hardware
+    if override:
+        return get_hardware(override)
+    if not plan.hardware:
+        raise UsageError(f"{plan_path}: the plan names no hardware; pass --hardware")
+    return Hardware.from_dict(plan.hardware, f"{plan_path}: hardware")
+
+
 def plan_profile(plan, plan_path, override: str | None):
     """The profile a plan is checked or simulated with: ``override`` (a --profile argument), else the
     profile folder the plan records (``profile.path``, written for a plan made from a folder that is

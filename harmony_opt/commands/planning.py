@@ -13,7 +13,7 @@ from ..core.hardware import get_hardware, usable_cores
 from ..core.plan import Plan
 from ..core.units import fmt_bytes
 from ..sim.host_memory import host_memory, host_memory_per_server
-from .common import plan_profile, writable_file
+from .common import plan_hardware, plan_profile, writable_file
 
 
 def _common(p):
@@ -287,13 +287,7 @@ def _simulate(args):
     plan = Plan.load(args.plan)
     profile = plan_profile(plan, args.plan, args.profile)
     _outputs(args)
-    if args.hardware:
-        hw = get_hardware(args.hardware)
-    elif plan.hardware:
-        from ..core.hardware import Hardware
-        hw = Hardware.from_dict(plan.hardware, f"{args.plan}: hardware")
-    else:
-        raise UsageError(f"{args.plan}: the plan names no hardware; pass --hardware")
+    hw = plan_hardware(plan, args.plan, args.hardware)
     try:
         if plan.cost_model == "harmony":
             from ..harmony import simulate_harmony

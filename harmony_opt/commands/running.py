@@ -7,7 +7,7 @@ from ..core.errors import PlanError, UsageError
 from ..core.plan import Plan
 from ..core.precision import resolve as resolve_precision
 from ..core.units import alloc_granularity, fmt_bytes, parse_bytes
-from .common import MODEL_HELP, plan_profile, writable_file, writable_folder
+from .common import MODEL_HELP, plan_hardware, plan_profile, writable_file, writable_folder
 from .measure import add_overrides, add_precision, parse_overrides
 
 
@@ -199,13 +199,10 @@ def promise_lines(plan, plan_path: Path, measured) -> list[str]:
     profile or hardware is not at hand."""
     from ..calibrate import format_table, idle_time, promise
     from ..core.errors import HarmonyOptError
-    from ..core.hardware import Hardware
     from ..sim.simulator import simulate
     try:
         profile = plan_profile(plan, plan_path, None)
-        if not plan.hardware:
-            raise UsageError("the plan records no hardware")
-        hw = Hardware.from_dict(plan.hardware, f"{plan_path}: hardware")
+        hw = plan_hardware(plan, plan_path, None)
         simulated = simulate(plan, profile, hw)
     except HarmonyOptError as e:
         why = " ".join(str(e).split())
