@@ -114,14 +114,45 @@ def plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | N
     generators and fixed step counts, CP-SAT runs under a deterministic time limit, so the same
     inputs, seed and workers give the same plan. The plan's compiled program fits the cap
     (harmony_opt.compile.program_memory.fit_to_program): where the search's pack memory let through a plan whose
-    program would not, it searches again under a lower cap, and refuses with the figures where
-    that fails too."""
+    program would not, it searches again under a lower cap, with the work the searches before it
+    left of ``time_limit`` (at least ``MIN_RETRY_WORK``), and refuses with the figures where that
+    fails too."""
     cap = int(memory_cap or hw.gpu_memory_bytes)
     opts = options or PlannerOptions()
     if opts.cost_model == "harmony" and not opts.harmony_space:
         return _under_harmonys_cost_model(profile, hw, batch, opts, cap, report)
-    return fit_to_program(lambda c: _plan(profile, hw, batch, opts, memory_cap=c, report=report), cap, profile,
+    return fit_to_program(_charged(profile, hw, batch, opts, report), cap, profile,
                           who=f"the best plan of {profile.name}")
+
+
+#: Work seconds a search under a lowered cap gets at least, when the searches before it left less:
+#: enough for Harmony's search and the first solutions, so that it returns a plan.
+MIN_RETRY_WORK = 0.25
+
+
+def _charged(profile: Profile, hw: Hardware, batch: int, opts: PlannerOptions, report, incumbent=None):
+    """``make(cap)`` for fit_to_program: a search under ``cap`` that gets the work seconds (and wall
+    seconds) the searches before it left of ``opts``' limits, so that searching again under a lower
+    cap does not multiply the budget; the plan reports the work of all of them."""
+    spent = {"work": 0.0, "wall": 0.0, "searches": 0}
+
+    def make(cap: int) -> Plan:
+        o = opts
+        if spent["searches"]:
+            o = dataclasses.replace(
+                opts, time_limit=max(opts.time_limit - spent["work"] / 0.9, MIN_RETRY_WORK),
+                wall_limit=None if opts.wall_limit is None else max(opts.wall_limit - spent["wall"], MIN_RETRY_WORK))
+        p = _plan(profile, hw, batch, o, memory_cap=cap, report=report, incumbent=incumbent)
+        s = p.solver or {}
+        spent["work"] += s.get("work_s", 0.0)
+        spent["wall"] += p.search_time_s or 0.0
+        spent["searches"] += 1
+        if spent["searches"] == 1:          # the first search: its own figures, as without a retry
+            return p
+        return p.replace(search_time_s=spent["wall"],
+                         solver={**s, "work_s": spent["work"], "work_budget_s": 0.9 * opts.time_limit,
+                                 "searches": spent["searches"]})
+    return make
 
 
 def plan_under_cap(profile: Profile, hw: Hardware, batch: int, cap: int | None = None, *, gpus: int | None = None,
@@ -152,8 +183,8 @@ def _under_harmonys_cost_model(profile: Profile, hw: Hardware, batch: int, opts:
     work seconds that search leaves, from its plan as the incumbent."""
     say = report or (lambda s: None)
     who = f"the best plan of {profile.name}"
-    narrow = fit_to_program(lambda c: _plan(profile, hw, batch, dataclasses.replace(opts, harmony_space=True),
-                                            memory_cap=c, report=report), cap, profile, who=who)
+    narrow = fit_to_program(_charged(profile, hw, batch, dataclasses.replace(opts, harmony_space=True), report),
+                            cap, profile, who=who)
     s = narrow.solver
     left = s["work_budget_s"] - s["work_s"]
     wall_left = None if opts.wall_limit is None else opts.wall_limit - narrow.search_time_s
@@ -161,9 +192,9 @@ def _under_harmonys_cost_model(profile: Profile, hw: Hardware, batch: int, opts:
         say(f"Harmony's space searched with the whole budget ({s['work_s']:.2f} work s): no budget left beyond it")
         return narrow.replace(solver={**s, "space": "harmony"})
     say(f"Harmony's space searched in {s['work_s']:.2f} work s; beyond it with the {left:.2f} s left")
-    wider = fit_to_program(lambda c: _plan(profile, hw, batch, dataclasses.replace(opts, time_limit=left / 0.9,
-                                                                               wall_limit=wall_left),
-                                           memory_cap=c, report=report, incumbent=narrow), cap, profile, who=who)
+    wider = fit_to_program(_charged(profile, hw, batch, dataclasses.replace(opts, time_limit=left / 0.9,
+                                                                            wall_limit=wall_left),
+                                    report, incumbent=narrow), cap, profile, who=who)
     best = wider if wider.simulated_iteration_time_s < narrow.simulated_iteration_time_s else narrow
     t, harmony_t = best.simulated_iteration_time_s, s["harmony_time_s"]
     return best.replace(search_time_s=narrow.search_time_s + wider.search_time_s,

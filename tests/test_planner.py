@@ -395,3 +395,28 @@ def test_uneven_sizes_are_searched_only_where_the_last_microbatch_is_profiled():
     hw = get_hardware("1080ti-x4").with_gpus(1)
     p = plan(prof, hw, 7, PlannerOptions(time_limit=1, hint=False), memory_cap=hw.gpu_memory_bytes)
     assert all(m >= 3 for m in split_microbatches(7, p.microbatch_bwd) + split_microbatches(7, p.microbatch_fwd))
+
+
+def test_searching_again_under_a_lower_cap_stays_within_the_work_budget(monkeypatch):
+    """Where a plan's program exceeds the cap, the planner searches again under a lower cap: with the
+    work the first search left, not a whole new budget, so --time-limit bounds all the searches."""
+    from harmony_opt.compile import program_memory as pm
+    from harmony_opt.solver_models.planner import MIN_RETRY_WORK
+
+    real, calls = pm.program_memory, []
+
+    def over_once(plan, profile, cap=None, sizes=None):
+        mem = real(plan, profile, cap, sizes)
+        calls.append(mem)
+        if len(calls) == 1:             # the first plan's program "exceeds" the cap by 1 MiB
+            return pm.ProgramMemory(mem.peaks, mem.cap, (0, "test", mem.cap + 2**20))
+        return mem
+
+    monkeypatch.setattr(pm, "program_memory", over_once)
+    prof, hw, cap = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
+    limit = 2.0
+    p = plan(prof, hw, 16, PlannerOptions(time_limit=limit, processes=1), memory_cap=cap)
+    assert p.solver["searches"] == 2
+    assert p.memory_cap == cap
+    # the first search spends its 0.9 x limit; the second gets at least MIN_RETRY_WORK (not a new 0.9 x limit)
+    assert p.solver["work_s"] <= 0.9 * limit + MIN_RETRY_WORK
