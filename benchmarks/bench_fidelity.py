@@ -22,7 +22,6 @@ Run it on a quiet machine: every figure is a wall-clock time.
 from __future__ import annotations
 
 import argparse
-import io
 import itertools
 import statistics
 import sys
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from harmony_opt.calibrate import calibrate
 from harmony_opt.core.errors import HarmonyOptError
-from harmony_opt.core.io import atomic_write_bytes, write_results
+from harmony_opt.core.io import atomic_write_figure, write_results
 from harmony_opt.measure.models import build_model
 from harmony_opt.measure.probe import probe_hardware
 from harmony_opt.measure.profiler import profile_model
@@ -160,10 +159,7 @@ def plot(df: pd.DataFrame, path: Path) -> Path:
     seen = dict(zip(labels, handles))
     fig.legend(seen.values(), seen.keys(), loc="center right", fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.78, 1))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_write_figure(path, fig, dpi=120)
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harmony_opt.core.io import atomic_write_bytes, atomic_write_text
+from harmony_opt.core.io import atomic_write_figure, atomic_write_text
 from harmony_opt.core.units import GiB
 from harmony_opt.planners.registry import PLANNERS as REGISTRY
 from harmony_opt.report import machine_description, markdown_table
@@ -53,14 +53,7 @@ def write_table(df: pd.DataFrame, out_dir: Path, stem: str, title: str, sections
 
 def save_figure(fig, path: Path) -> Path:
     """Write a matplotlib figure as PNG in one step (no half-written file) and close it."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_write_figure(path, fig, dpi=100)
 
 
 def num(v) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .core.io import atomic_write_bytes
+from .core.io import atomic_write_figure
 from .core.profile import Profile
 
 
@@ -97,7 +97,6 @@ def plot_profile(p: Profile, u: int, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    import io
 
     df = layer_table(p, u)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
@@ -114,7 +113,4 @@ def plot_profile(p: Profile, u: int, path: Path) -> Path:
     ax2.set_xlabel("layer")
     ax2.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_write_figure(path, fig, dpi=110)

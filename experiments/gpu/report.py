@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import datetime
-import io
 
 import pandas as pd
 
-from harmony_opt.core.io import atomic_write_bytes, atomic_write_text
+from harmony_opt.core.io import atomic_write_figure, atomic_write_text
 from harmony_opt.report import markdown_table
 
 from . import read_result
@@ -87,10 +86,7 @@ def _bars(path, labels: list[str], series: dict[str, list[float]], ylabel: str, 
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    atomic_write_bytes(path, buf.getvalue())
-    plt.close(fig)
+    atomic_write_figure(path, fig, dpi=120)
 
 
 def plot(df: pd.DataFrame, path, device_name: str) -> None:

@@ -105,6 +105,18 @@ def atomic_write_json(path: str | Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def atomic_write_figure(path: str | Path, fig, dpi: int = 110) -> Path:
+    """A matplotlib figure as PNG, written in one step (no half-written file); the figure is closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
 def write_results(out: str | Path, table, markdown: str) -> Path:
     """A benchmark's results: every column in ``out``.csv (a pandas DataFrame), the page in ``out``.md."""
     out = Path(out)

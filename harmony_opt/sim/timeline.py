@@ -8,14 +8,13 @@ matplotlib Gantt chart with memory over time beneath.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from ..core.io import atomic_write_bytes, atomic_write_text
+from ..core.io import atomic_write_figure, atomic_write_text
 
 EVENT_COLUMNS = ["rank", "stream", "kind", "task", "pack", "microbatch", "start", "end", "bytes"]
 
@@ -209,10 +208,7 @@ class Timeline:
         if not self.memory.empty:
             axm.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        plt.close(fig)
-        return atomic_write_bytes(path, buf.getvalue())
+        return atomic_write_figure(path, fig, dpi=110)
 
 
 def memory_steps(rank: int, deltas: list[tuple[float, int]]) -> list[tuple[int, float, int]]:
