@@ -143,9 +143,9 @@ def check_plan(plan: Plan, profile: Profile, hw: Hardware, cap: int, name: str) 
     if again.to_json() != text:
         raise ContractError(f"{where}: JSON does not round-trip")
     tl = simulate(plan, profile, hw, memory_cap=cap, with_timeline=False)
-    peak = max(tl.peak_memory().values(), default=0)
+    peak = max(tl.meta["reserved_memory"].values(), default=0)
     if peak > cap:
-        raise ContractError(f"{where}: simulated peak {peak} bytes exceeds the cap {cap}")
+        raise ContractError(f"{where}: the simulator reserves {peak} bytes, over the cap {cap}")
     run = program_memory(plan, profile, cap)
     if not run.fits:
         raise ContractError(f"{where}: its program would hold {run.over[2]} bytes at {run.over[1]} on GPU "

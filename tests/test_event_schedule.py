@@ -198,7 +198,7 @@ def test_timeline_bound_counts_the_transfers_queueing_on_the_shared_link():
 @pytest.mark.parametrize("handoff", [False, True])
 def test_timeline_model_reserves_the_memory_the_simulator_does(handoff):
     """Replayed at the simulated times, the timeline model's memory reservations are the
-    simulator's memory curve, gradients kept on the GPU included."""
+    simulator's, gradients kept on the GPU included."""
     from harmony_opt.sim.simulator import Expansion
     from harmony_opt.sim.timeline import memory_steps
     from harmony_opt.solver_models.event_schedule import reservations
@@ -214,9 +214,10 @@ def test_timeline_model_reserves_the_memory_the_simulator_does(handoff):
         deltas[ev[k].rank] += [(ev[a].start if from_start else ev[a].end, nbytes), (ev[k].end, -nbytes)]
     for r in (0, 1):
         steps = memory_steps(r, deltas[r])
-        want = tl.memory[tl.memory["rank"] == r]
-        assert [b for _, _, b in steps] == want["bytes"].tolist()
-        assert [t for _, t, _ in steps] == pytest.approx(want["time"].tolist())
+        want = [(t, b) for q, t, b in sim.reservations if q == r]
+        assert [b for _, _, b in steps] == [b for _, b in want]
+        assert [t for _, t, _ in steps] == pytest.approx([t for t, _ in want])
+        assert max(b for _, b in want) == tl.meta["reserved_memory"][r]
     kept = [x for x in reservations(ev) if not x[1]]
     assert bool(kept) == handoff
 

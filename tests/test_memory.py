@@ -17,11 +17,11 @@ from harmony_opt.planners.registry import get_planner
 from harmony_opt.compile.compiler import compile_plan
 from harmony_opt.core.errors import InfeasibleError, RuntimeMemoryError
 from harmony_opt.core.hardware import Hardware
-from harmony_opt.compile.program_memory import program_memory
 from harmony_opt.measure.models import build_model
 from harmony_opt.core.plan import Plan
 from harmony_opt.measure.profiler import profile_model
 from harmony_opt.compile.validate import validate_program
+from harmony_opt.sim.simulator import simulate
 from harmony_opt.training import train
 from harmony_opt.measure.shapes import measure_layer_bytes
 
@@ -74,15 +74,21 @@ def test_every_returned_plan_compiles_and_trains_under_its_cap(model, factor, pl
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_predicted_peak_matches_the_executors_live_bytes(model):
-    """The program's peak from the profile's sizes is what the executor's guard measures: never less
-    (the guard never stops a validated plan), and within 5 %."""
+def test_simulated_peak_matches_the_executors_live_bytes(model):
+    """The simulator's peak per GPU, from the profile's sizes, is what the executor's guard measures
+    there: never less (the guard never stops a validated plan), and within 5 %; its memory over time
+    reaches that peak and ends empty."""
     prof, least = _measured(model)
     cap = int(least * 2)
     plan = _plan("cp-sat", prof, cap)
-    predicted = max(program_memory(plan, prof, cap).peaks)
-    measured = max(train(build_model(model), plan, steps=1, progress=False).peak_device_bytes)
-    assert measured <= predicted <= 1.05 * measured, (predicted, measured)
+    tl = simulate(plan, prof, _hardware())
+    predicted = tl.peak_memory()
+    measured = train(build_model(model), plan, steps=1, progress=False).peak_device_bytes
+    assert tl.meta["memory_model"] == "program" and len(predicted) == len(measured) == plan.gpus
+    for r, m in enumerate(measured):
+        assert m <= predicted[r] <= 1.05 * m, (r, predicted, measured)
+    for r, g in tl.memory.sort_values("time", kind="stable").groupby("rank"):
+        assert g.bytes.max() == predicted[r] and g.bytes.iloc[-1] == 0
 
 
 def test_prefetches_wait_for_room_under_the_cap():

@@ -171,7 +171,7 @@ def test_timeline_respects_task_graph_streams_and_bytes(case):
     for streams in (("swap_in", "swap_in_w"), ("swap_out",)):
         g = ev[ev.stream.isin(streams) & (ev.end > ev.start)].sort_values("start")
         assert (g.start.to_numpy()[1:] >= g.end.to_numpy()[:-1]).all()
-    assert max(tl.peak_memory().values()) <= cap
+    assert max(tl.meta["reserved_memory"].values()) <= cap
     # every link carries what the graph's flows imply, tensor kind by tensor kind
     expected = defaultdict(int)
     for (link, tensor, _), b in link_bytes(graph, by_tensor=True).items():
@@ -190,7 +190,7 @@ def test_timeline_respects_task_graph_streams_and_bytes(case):
     quick = simulate(plan, prof, hw, memory_cap=cap, with_timeline=False)
     assert quick.iteration_time == tl.iteration_time
     assert quick.meta["bytes"] == tl.bytes_moved()
-    assert quick.events.empty and quick.peak_memory() == tl.peak_memory()
+    assert quick.events.empty and quick.meta["reserved_memory"] == tl.meta["reserved_memory"]
     assert quick.meta["events"] == count_events(plan, prof, hw) == len(sim.events)
 
 
@@ -225,7 +225,7 @@ def test_memory_cap_is_never_exceeded(case, frac):
     cap = int(need / frac)   # every task fits; prefetch only when there is room
     graph = task_graph(plan, prof, hw)
     sim, tl = expand(plan, prof, hw, cap)
-    assert max(tl.peak_memory().values()) <= cap
+    assert max(tl.meta["reserved_memory"].values()) <= cap
     check_against_graph(sim, graph)
     with pytest.raises(PlanError, match="more than the cap"):
         simulate(plan, prof, hw, memory_cap=need - 1)

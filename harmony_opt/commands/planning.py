@@ -299,8 +299,12 @@ def _simulate(args):
     moved = tl.bytes_moved()
     print(f"{plan.planner} plan: {_describe(plan)}")
     print(f"iteration time {tl.iteration_time:.6f} s ({plan.cost_model} cost model)")
-    print("peak GPU memory (the simulator's task memory): "
-          + ", ".join(f"GPU{r} {fmt_bytes(b)}" for r, b in tl.peak_memory().items()))
+    if "reserved_memory" in tl.meta:
+        print("GPU memory the simulator reserves for its tasks (the planners' pack memory), at most: "
+              + ", ".join(f"GPU{r} {fmt_bytes(b)}" for r, b in tl.meta["reserved_memory"].items()))
+    else:
+        print(f"peak GPU memory ({plan.cost_model} cost model): "
+              + ", ".join(f"GPU{r} {fmt_bytes(b)}" for r, b in tl.peak_memory().items()))
     if plan.memory_cap or hw.gpu_memory_bytes:
         print(_program_line(plan if plan.memory_cap else plan.replace(memory_cap=hw.gpu_memory_bytes), profile))
     print(f"bytes moved: host->GPU {moved['h2d'] / 1e9:.2f} GB, GPU->host {moved['d2h'] / 1e9:.2f} GB, "

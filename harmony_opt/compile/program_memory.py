@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from ..core.errors import InfeasibleError, PlanError
 from ..core.plan import Plan
 from ..core.profile import Profile
@@ -42,7 +41,11 @@ def layer_bytes(plan: Plan, profile: Profile) -> LayerBytes:
 def program_memory(plan: Plan, profile: Profile, cap: int | None = None,
                    sizes: LayerBytes | None = None) -> ProgramMemory:
     """Compile ``plan`` with ``sizes`` (default: the profile's) and replay its live device bytes."""
+    return compiled_memory(plan, profile, cap, sizes)[0]
 
+
+def compiled_memory(plan: Plan, profile: Profile, cap: int | None = None, sizes: LayerBytes | None = None):
+    """:func:`program_memory`, with the per-rank instructions in issue order and the sizes it replayed."""
     cap = int(cap if cap is not None else plan.memory_cap)
     sizes = sizes or layer_bytes(plan, profile)
     drafts, _ = issue_order(plan, sizes, cap)
@@ -52,7 +55,7 @@ def program_memory(plan: Plan, profile: Profile, cap: int | None = None,
         peaks.append(peak)
         if first is not None and over is None:
             over = (r, str(ranks[first[0]]), first[1])
-    return ProgramMemory(tuple(peaks), cap, over)
+    return ProgramMemory(tuple(peaks), cap, over), drafts, sizes
 
 
 def check_plan_memory(plan: Plan, profile: Profile, cap: int | None = None, *, who: str = "the plan") -> ProgramMemory:

@@ -24,9 +24,16 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
   ``cpu_optimizer_call_s``; without ``copy_overlap`` (the CPU device) a rank's compute, swap and
   P2P events run one at a time (one "engine" per rank), its CPU optimizer steps beside them;
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
-  starts and its working set when its first compute starts, and frees both when its
-  last event ends; an event that does not fit waits. So prefetch (just-in-time) only
-  happens when there is room, and simulated memory never exceeds the cap.
+  starts and its working set when its first compute starts (the planners' pack memory,
+  :mod:`harmony_opt.core.memory`), and frees both when its last event ends; an event that
+  does not fit waits. So prefetch (just-in-time) only happens when there is room, and the
+  reservations never exceed the cap (``meta["reserved_memory"]``);
+* the memory a Timeline reports (``memory``, ``peak_memory()``) is the compiled Program's
+  live device bytes, each instruction's change at the end of the simulated event doing its
+  work: the bytes the executor's guard counts and its trace records
+  (:func:`harmony_opt.sim.program_clock.timed_program_memory`). A summary
+  (``with_timeline=False``, what the planners call thousands of times) carries the
+  reservations only.
 
 Fidelity limits: kernel times are the profile's per-layer times summed over a pack
 (no fusion across layers); a transfer runs at full per-direction bandwidth or waits
@@ -42,6 +49,7 @@ import heapq
 from collections import defaultdict
 
 import numpy as np
+import pandas as pd
 
 from ..core.errors import PlanError
 from ..core.hardware import Hardware
@@ -448,6 +456,20 @@ class Expansion:
                 self.net(r, "W", self.by_key[key], 0, nbytes, [eid], key=key)
 
     # -- the event loop -------------------------------------------------------------------------
+    def _memory(self, tl: Timeline, reserved_rows: list, reserved: dict) -> None:
+        """The timeline's memory: the compiled program's live bytes, timed on the simulated events
+        (what the executor's guard counts and its trace records); the reservations above where no
+        program can run the plan (``meta["memory_model"]`` says which)."""
+        from .program_clock import timed_program_memory
+        try:
+            mem, rows = timed_program_memory(self.plan, self.prof, tl.events, self.cap)
+        except PlanError:
+            tl.memory = pd.DataFrame.from_records(reserved_rows, columns=["rank", "time", "bytes"])
+            tl.meta.update(memory_model="reserved", peak_memory=dict(reserved))
+            return
+        tl.memory = pd.DataFrame.from_records(rows, columns=["rank", "time", "bytes"])
+        tl.meta.update(memory_model="program", peak_memory=dict(enumerate(mem.peaks)))
+
     def run(self, with_timeline: bool) -> Timeline:
         with _gc_paused():
             return self._run(with_timeline)
@@ -622,18 +644,20 @@ class Expansion:
         iteration = max(e.end for e in ev)
         ranks = self.plan.gpus
         steps = [memory_steps(r, mem_deltas.get(r, [])) for r in range(ranks)]
+        self.reservations = [row for rows in steps for row in rows]     # (rank, time, bytes reserved)
+        reserved = {r: max((b for _, _, b in rows), default=0) for r, rows in enumerate(steps)}
         if with_timeline:
             records = [(e.rank, e.stream, e.kind, e.task, e.pack, e.microbatch, e.start, e.end, e.nbytes)
                        for e in ev if e.kind != "free"]
-            tl = Timeline.from_records(records, iteration, [row for rows in steps for row in rows],
-                                       cost_model="default", ranks=ranks)
+            tl = Timeline.from_records(records, iteration, cost_model="default", ranks=ranks)
+            self._memory(tl, self.reservations, reserved)
         else:
             tl = Timeline.summary(iteration, cost_model="default", ranks=ranks)
+        tl.meta["reserved_memory"] = reserved
         tl.meta["events"] = len(ev)
         if self.spans:
             tl.meta["network_bytes"] = sum(e.net for e in ev)
         if not with_timeline:
-            tl.meta["peak_memory"] = {r: max((b for _, _, b in rows), default=0) for r, rows in enumerate(steps)}
             moved = {_H2D: 0, _D2H: 0, "p2p": 0}
             for e in ev:
                 if e.link is not None:

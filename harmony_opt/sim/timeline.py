@@ -62,9 +62,11 @@ class Timeline:
 
     # -- summaries ------------------------------------------------------------------------
     def peak_memory(self) -> dict[int, int]:
-        """Peak GPU bytes per rank."""
-        if self.memory.empty:
-            return dict(self.meta.get("peak_memory", {}))
+        """Peak GPU bytes per rank: ``meta["peak_memory"]`` where the maker knows it exactly (the
+        simulator: the program's replay, whose changes at one instant ``memory`` nets out), else the
+        most ``memory`` holds."""
+        if "peak_memory" in self.meta or self.memory.empty:
+            return {int(r): int(b) for r, b in self.meta.get("peak_memory", {}).items()}
         return {int(r): int(g["bytes"].max()) for r, g in self.memory.groupby("rank")}
 
     def bytes_moved(self) -> dict[str, int]:
