@@ -3,7 +3,8 @@
 The closed loop a user runs on their own machine, on this machine's CPU: profile each model, probe
 the machine, calibrate the hardware on Harmony's plan (``harmony-opt calibrate``'s library call),
 plan again with the calibrated hardware, then train every planner's plan for a few steps and
-compare its measured step time (median over the steps after the first) with its simulated one.
+compare its measured step time (median over the steps between the first and the traced last) with
+its simulated one.
 
 Cases: a transformer (GPT-2), a CNN (VGG) and a model of at least 12 layers (BERT), two memory
 caps each, and the plans of ``plan`` (cp-sat), ``plan --harmony-space``, Harmony's search, L2L and
@@ -81,9 +82,10 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def measure(model, plan, steps: int) -> tuple[float, object]:
-    """Median step time after the first step, and the last step's measured timeline."""
+    """Median time of the steps between the first (warm-up) and the last (traced), and the last
+    step's measured timeline."""
     res = train(model, plan, steps=steps, progress=False, trace=True)
-    return statistics.median(res.iteration_times[1:]), res.timeline()
+    return statistics.median(res.iteration_times[1:-1]), res.timeline()
 
 
 def make_plans(profile, hw, cap) -> dict:
@@ -106,8 +108,8 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps) -> list[d
             base = make_plans(profile, hw, cap).get(CALIBRATE_ON)
             if base is None:
                 break
-            _, trace = measure(model, base, steps)
-            hardware = calibrate(base, profile, hw, trace).hardware
+            t, trace = measure(model, base, steps)
+            hardware = calibrate(base, profile, hw, trace, step_time=t).hardware
         plans = make_plans(profile, hardware, cap)
         for name, plan in plans.items():
             sim = simulate(plan, profile, hardware, with_timeline=False).iteration_time
@@ -165,10 +167,13 @@ def plot(df: pd.DataFrame, path: Path) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one model, one cap")
-    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="steps per run (>= 3: the first warms up, the last is traced, the rest are timed)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT.png from OUT.csv")
     args = ap.parse_args(argv)
+    if args.steps < 3:
+        ap.error(f"--steps {args.steps}: give at least 3 (a warm-up step, a timed one, the traced last)")
     if args.plot_only:
         print(f"wrote {plot(pd.read_csv(Path(args.out).with_suffix('.csv')), Path(args.out).with_suffix('.png'))}")
         return 0
@@ -190,7 +195,8 @@ def main(argv=None) -> int:
     text = ["# Simulated against measured step time, before and after calibration\n",
             f"`{cmd}` ({time.perf_counter() - t0:.0f} s); {machine_description()}; "
             f"{torch.get_num_threads()} intra-op thread(s); batch {BATCH}, {args.steps} steps per run "
-            f"(the median of all but the first); calibrated on {CALIBRATE_ON}'s plan.\n",
+            f"(the median of all but the first and the traced last); calibrated on {CALIBRATE_ON}'s plan "
+            f"(the per-event fit, closed on its median step time).\n",
             "## Per case\n", markdown_table(summary, floatfmt=".3f"), "",
             "## Per plan\n", markdown_table(df, floatfmt=".4f"), ""]
     write_results(out, df, "\n".join(text))

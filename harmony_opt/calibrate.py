@@ -294,10 +294,12 @@ def check_measured(measured: Timeline, simulated: Timeline, plan, where: str = "
                              f"was it traced from this plan?")
 
 
-def calibrate(plan, profile, hardware: Hardware, measured: Timeline, where: str = "the measured step") -> Calibration:
+def calibrate(plan, profile, hardware: Hardware, measured: Timeline, where: str = "the measured step",
+              step_time: float | None = None) -> Calibration:
     """Simulate ``plan`` on ``hardware`` (before), on its neutral terms (fitted against) and on the
-    fitted hardware (after); fit; return the Calibration with its table by kind of work and the
-    iteration times."""
+    fitted hardware; fit; close the step (:func:`close_step`) on ``step_time`` (the measured step's
+    own time when not given; better, the median of several untraced steps); return the Calibration
+    with its table by kind of work and the iteration times."""
     from .sim.simulator import simulate
 
     base = neutral(hardware)
@@ -305,12 +307,65 @@ def calibrate(plan, profile, hardware: Hardware, measured: Timeline, where: str 
     check_measured(measured, simulated, plan, where)
     before = simulated if base == hardware else simulate(plan, profile, hardware)
     cal = fit_hardware(measured, simulated, hardware, plan)
+    target = float(step_time) if step_time else measured.iteration_time
+    fitted = simulate(plan, profile, cal.hardware, with_timeline=False).iteration_time
+    cal.hardware, shift, note = close_step(plan, profile, cal.hardware, target)
+    if note:
+        cal.notes.append(note)
     after = simulate(plan, profile, cal.hardware)
     cal.table = kind_table(measured, before, cal.fitted, after)
-    cal.iteration = {"measured": measured.iteration_time, "before": before.iteration_time,
-                     "after": after.iteration_time, "measured_idle": idle_time(measured),
-                     "before_idle": idle_time(before), "after_idle": idle_time(after)}
+    cal.iteration = {"measured": measured.iteration_time, "target": target, "before": before.iteration_time,
+                     "fitted": fitted, "after": after.iteration_time, "shift": shift,
+                     "measured_idle": idle_time(measured), "before_idle": idle_time(before),
+                     "after_idle": idle_time(after)}
     return cal
+
+
+#: Relative step-time error below which :func:`close_step` leaves the fitted terms as they are.
+CLOSE_TOLERANCE = 1e-3
+
+
+def close_step(plan, profile, hardware: Hardware, target: float, tolerance: float = CLOSE_TOLERANCE
+               ) -> tuple[Hardware, float, str]:
+    """Shift every instruction's fixed cost (``GAP_FIELDS``) by one amount so that ``plan``'s simulated
+    step takes ``target`` seconds; return the hardware, the shift and a note ("" when none was needed).
+
+    The per-event fit prices each kind of work as the trace timed it; the step also holds what no
+    event shows (work between instructions beyond the mean gap, an instruction's time that its
+    neighbours hide or expose). One shift per instruction, solved on the step time of the plan
+    calibrated on, spreads that residual the way a plan with more instructions pays more of it. The
+    shift stays where no fixed cost goes below zero; the simulated step grows with it, so bisection."""
+    from .sim.simulator import simulate
+
+    def step(shift: float) -> float:
+        return simulate(plan, profile, shifted(shift), with_timeline=False).iteration_time
+
+    def shifted(shift: float) -> Hardware:
+        return dataclasses.replace(hardware, **{f: getattr(hardware, f) + shift for f in GAP_FIELDS})
+
+    now = step(0.0)
+    if not target > 0 or abs(now / target - 1) <= tolerance:
+        return hardware, 0.0, ""
+    if now > target:
+        lo, hi = -min(getattr(hardware, f) for f in GAP_FIELDS), 0.0
+        if step(lo) > target:
+            return (shifted(lo), lo, f"the step: {now * 1e3:.3f} ms simulated after the fit, over the measured "
+                    f"{target * 1e3:.3f} ms even with the fixed costs per instruction lowered as far as they go "
+                    f"({lo * 1e6:+.1f} us, the smallest to zero: {step(lo) * 1e3:.3f} ms)")
+    else:
+        events = simulate(plan, profile, hardware, with_timeline=False).meta["events"]
+        lo, hi = 0.0, (target - now) / max(events, 1)
+        while step(hi) < target and hi < target:
+            lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
+        if hi - lo <= 1e-12:
+            break
+    shift = (lo + hi) / 2
+    return (shifted(shift), shift, f"the step: {now * 1e3:.3f} ms simulated after the per-event fit against "
+            f"{target * 1e3:.3f} ms measured; every instruction's fixed cost shifted by {shift * 1e6:+.1f} us "
+            f"to close it")
 
 
 def kind_table(measured: Timeline, before: Timeline, fitted: dict[str, float] | None = None,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from harmony_opt import get_hardware
-from harmony_opt.calibrate import busy_by_work, calibrate, fit_hardware, idle_time, neutral, work_of
+from harmony_opt.calibrate import (CLOSE_TOLERANCE, GAP_FIELDS, busy_by_work, calibrate, close_step, fit_hardware,
+                                   idle_time, neutral, work_of)
 from harmony_opt.cli import main
 from harmony_opt.core.errors import UsageError
 from harmony_opt.core.hardware import Hardware
@@ -182,9 +183,10 @@ def test_calibrate_a_real_cpu_run_writes_hardware_that_simulate_accepts(tiny, ca
 def test_run_reports_the_promise_and_its_trace_calibrates(tiny, capsys):
     plan, trace = str(tiny / "plan.json"), tiny / "t.json"
     capsys.readouterr()
-    assert main(["run", plan, "--model", "gpt2-tiny", "--steps", "2", "--no-progress", "--trace", str(trace)]) == 0
+    assert main(["run", plan, "--model", "gpt2-tiny", "--steps", "4", "--no-progress", "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
-    assert "the plan's promise:" in out and "s per step simulated on h100-x1; the last step took" in out
+    assert "the plan's promise:" in out and ("s per step simulated on h100-x1; the 2 untraced step(s) after the "
+                                             "first took a median of") in out
     assert "forward" in out and "weights in" in out
     assert main(["calibrate", plan, "--trace", str(trace), "-o", str(tiny / "from_trace.json")]) == 0
     assert "read the traced step from" in capsys.readouterr().out
@@ -249,3 +251,21 @@ def test_time_between_instructions_goes_into_each_fixed_cost_on_a_serial_device(
         _close(getattr(serial.hardware, field), getattr(overlapped, field) + gap)
     _close(serial.hardware.compute_scale, COMPUTE)
     assert any("between consecutive instructions" in n for n in serial.notes)
+
+
+def test_closing_the_step_recovers_a_fixed_cost_no_event_shows():
+    """What the per-event fit leaves of the step is spread over every instruction's fixed cost, by one
+    shift solved on the step time: up, down, to zero at most, and not at all where the step matches."""
+    prof, plan = synthetic_profile(R=8), _plan()
+    base = dataclasses.replace(HW.with_gpus(1), copy_overlap=False, issue_overhead_s=20e-6, h2d_latency_s=10e-6,
+                               d2h_latency_s=5e-6)
+    true = dataclasses.replace(base, **{f: getattr(base, f) + 30e-6 for f in GAP_FIELDS})
+    slow, fast = (simulate(plan, prof, h).iteration_time for h in (true, base))
+    got, shift, note = close_step(plan, prof, base, slow)
+    assert shift == pytest.approx(30e-6, rel=1e-3) and "shifted by +30.0 us" in note
+    _close(simulate(plan, prof, got).iteration_time, slow)
+    got, shift, _ = close_step(plan, prof, true, fast)
+    assert shift == pytest.approx(-30e-6, rel=1e-3)
+    got, shift, note = close_step(plan, prof, base, fast / 100)
+    assert min(getattr(got, f) for f in GAP_FIELDS) == 0 and shift == -5e-6 and "as far as they go" in note
+    assert close_step(plan, prof, base, fast * (1 + CLOSE_TOLERANCE / 2)) == (base, 0.0, "")

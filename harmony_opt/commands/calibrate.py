@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import statistics
 from pathlib import Path
 
 from ..core.errors import PlanError, UsageError
@@ -22,7 +23,9 @@ def register(sub):
     c.add_argument("--hardware", default=None,
                    help="hardware to start from: preset or .toml/.json file (default: the plan's)")
     c.add_argument("--profile", default=None, help="profile to simulate with (default: the one the plan names)")
-    c.add_argument("--steps", type=int, default=3, help="steps to run; the last one is traced and fitted (default 3)")
+    c.add_argument("--steps", type=int, default=5,
+                   help="steps to run; the last one is traced and fitted, the median of those between the first "
+                        "and the last is the step time the fit is closed on (default 5)")
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--trace", metavar="FILE", default=None,
@@ -58,19 +61,22 @@ def _calibrate(args):
         measured, where = Timeline.from_chrome_trace(args.trace), args.trace
         print(f"read the traced step from {args.trace}: {len(measured.events)} events, "
               f"{measured.iteration_time:.4f} s")
+        step_time = None
     else:
-        measured, where = _measure(plan, args), "the measured step"
+        (measured, step_time), where = _measure(plan, args), "the measured step"
     print(f"simulating the plan on {hw.name} and fitting its cost terms")
     try:
-        cal = calibrate(plan, profile, hw, measured, where)
+        cal = calibrate(plan, profile, hw, measured, where, step_time=step_time)
     except PlanError as e:
         raise PlanError(f"{args.plan}: {e}") from None
     print(f"busy time by kind of work (all ranks): measured, simulated on {hw.name}, the fitted terms' "
           f"prediction, re-simulated on the fitted hardware")
     print(format_table(cal.table))
     it = cal.iteration
-    print(f"iteration: measured {it['measured']:.4f} s, simulated {it['before']:.4f} s before "
-          f"({it['measured'] / it['before']:.2f}x), {it['after']:.4f} s after ({it['measured'] / it['after']:.2f}x)")
+    print(f"iteration: measured {it['target']:.4f} s" + (f" (median of the untraced steps; the traced one "
+          f"{it['measured']:.4f} s)" if it['target'] != it['measured'] else "") + f", simulated {it['before']:.4f} s "
+          f"before ({it['target'] / it['before']:.2f}x), {it['fitted']:.4f} s with the fitted terms, "
+          f"{it['after']:.4f} s after closing the step ({it['target'] / it['after']:.2f}x)")
     print(f"no event running on rank 0: measured {it['measured_idle'] * 1e3:.3f} ms, simulated "
           f"{it['before_idle'] * 1e3:.3f} ms before, {it['after_idle'] * 1e3:.3f} ms after (in a measured step: the "
           f"executor's own work between instructions; where copies do not overlap compute, the fit prices it "
@@ -96,7 +102,9 @@ def _calibrate(args):
 
 
 def _measure(plan: Plan, args):
-    """Train ``plan`` for --steps steps with the last one traced; its Timeline."""
+    """Train ``plan`` for --steps steps with the last one traced: its Timeline, and the step time to
+    close the fit on (the median of the steps between the first and the traced last, where there
+    are any: neither warm-up nor tracing in it)."""
     from ..training import check_plan, train
     from .running import _model
 
@@ -110,7 +118,8 @@ def _measure(plan: Plan, args):
                 trace=True)
     times = ", ".join(f"{t:.4f}" for t in res.iteration_times)
     print(f"step times {times} s; fitting the last")
-    return res.timeline()
+    untraced = res.iteration_times[1:-1]
+    return res.timeline(), (statistics.median(untraced) if untraced else None)
 
 
 def _term_lines(cal, hw: Hardware) -> list[str]:

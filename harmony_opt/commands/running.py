@@ -1,6 +1,8 @@
 """`harmony-opt compile` (Plan -> Program) and `harmony-opt run` (train a model as a plan says)."""
 from __future__ import annotations
 
+import statistics
+
 from pathlib import Path
 
 from ..core.errors import PlanError, UsageError
@@ -189,14 +191,16 @@ def _run(args):
         if not any(res.trace):
             print("note: not compared with the plan's simulation: the last step was not traced")
             return
-        for line in promise_lines(plan, Path(args.plan), res.timeline()):
+        for line in promise_lines(plan, Path(args.plan), res.timeline(), res.iteration_times):
             print(line)
 
 
-def promise_lines(plan, plan_path: Path, measured) -> list[str]:
-    """Whether the run kept the plan's promise: the last step's measured time against the plan's simulation
-    (its recorded profile and hardware), and busy time by kind of work; one note line where the plan's
-    profile or hardware is not at hand."""
+def promise_lines(plan, plan_path: Path, measured, step_times=()) -> list[str]:
+    """Whether the run kept the plan's promise: the measured step time against the plan's simulation
+    (its recorded profile and hardware), and busy time by kind of work (the traced last step's); one
+    note line where the plan's profile or hardware is not at hand. The step time is the median of
+    ``step_times`` between the first (warm-up) and the last (traced) where there are any, else the
+    last step's."""
     from ..calibrate import format_table, idle_time, promise
     from ..core.errors import HarmonyOptError
     from ..sim.simulator import simulate
@@ -207,9 +211,14 @@ def promise_lines(plan, plan_path: Path, measured) -> list[str]:
     except HarmonyOptError as e:
         why = " ".join(str(e).split())
         return [f"note: not compared with the plan's simulation: {why}"]
-    ratio = measured.iteration_time / simulated.iteration_time if simulated.iteration_time > 0 else float("nan")
-    return [f"the plan's promise: {simulated.iteration_time:.4f} s per step simulated on {hw.name}; the last step took "
-            f"{measured.iteration_time:.4f} s ({ratio:.2f}x); busy time by kind of work (all ranks):",
+    untraced = list(step_times)[1:-1]
+    took = statistics.median(untraced) if untraced else measured.iteration_time
+    ratio = took / simulated.iteration_time if simulated.iteration_time > 0 else float("nan")
+    which = (f"the {len(untraced)} untraced step(s) after the first took a median of {took:.4f} s ({ratio:.2f}x), "
+             f"the traced last {measured.iteration_time:.4f} s" if untraced else
+             f"the last step took {took:.4f} s ({ratio:.2f}x)")
+    return [f"the plan's promise: {simulated.iteration_time:.4f} s per step simulated on {hw.name}; {which}; "
+            f"busy time by kind of work in the last step (all ranks):",
             format_table(promise(measured, simulated)),
             f"no event running on rank 0: measured {idle_time(measured) * 1e3:.3f} ms, simulated "
             f"{idle_time(simulated) * 1e3:.3f} ms (the executor's own work between instructions)"]
