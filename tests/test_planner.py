@@ -420,3 +420,35 @@ def test_searching_again_under_a_lower_cap_stays_within_the_work_budget(monkeypa
     assert p.memory_cap == cap
     # the first search spends its 0.9 x limit; the second gets at least MIN_RETRY_WORK (not a new 0.9 x limit)
     assert p.solver["work_s"] <= 0.9 * limit + MIN_RETRY_WORK
+
+
+def test_the_default_local_search_takes_what_the_search_of_dividing_sizes_takes(monkeypatch):
+    """The model misranks vPP configurations by a few %, so the default (every microbatch size) must
+    hand the simulator the candidates that --even (sizes dividing the minibatch) hands it: its local
+    search takes the configurations --even takes, each from the same seed, besides its own."""
+    from harmony_opt.solver_models import budget, state
+    from harmony_opt.solver_models.steps import improve
+    from harmony_opt.solver_models.options import configurations
+    prof, hw, cap = load_profile("gpt2_medium"), get_hardware("1080ti-x4"), 10 * 2**30
+
+    def searched(uneven):
+        opts = PlannerOptions(mode="vPP", gpus=4, uneven=uneven)
+        S = state.Search(prof, hw, 64, cap, opts, budget.Budget(10.0), lambda s: None, {})
+        cfgs = configurations(prof, hw, 64, opts)
+        # candidates rated so that the best three are sizes that do not divide 64, and the bound
+        # falls as the value rises: --even's four are none of the default's own
+        found = [state.Candidate(c, None, [], 10.0 + (k if 64 % c.u_fwd or 64 % c.u_bwd else 200 + k) / 1000,
+                                 2.0 - k / 1000, 0.0, "balanced") for k, c in enumerate(cfgs)]
+        taken = []
+
+        def fake(S, c, steps, seed, partition):
+            taken.append((c.cfg, seed))
+            yield c.value, c.seq, 0.0
+            yield [], float("inf")
+        monkeypatch.setattr(improve, "_searched", fake)
+        improve.local_search(S, found)
+        return taken
+    default, even = searched(True), searched(False)
+    assert len(even) == 4 and all(64 % c.u_fwd == 0 == 64 % c.u_bwd for c, _ in even)
+    assert set(even) <= set(default)
+    assert any(64 % c.u_fwd or 64 % c.u_bwd for c, _ in default)      # and its own
