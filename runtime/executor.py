@@ -78,6 +78,14 @@ def _tensors(value):
         yield from (s.device for s in value.saved if s.device is not None)
 
 
+def _as_inner(leaf: torch.Tensor) -> torch.Tensor:
+    """What a pack's first layer is called on: a view of its input leaf, so that it saves what it would
+    inside a pack and what the profile counts (measure.profiler.saved_counts): autocast caches its
+    casts of a leaf that requires grad (it takes it for a weight), so on the leaf itself an input
+    that several matmuls use would be cast, and saved, once instead of once per use."""
+    return leaf.view_as(leaf) if leaf.requires_grad else leaf
+
+
 class DeviceTable:
     """Live device tensors by key, with the memory guard; each tensor counts its bytes rounded up to
     the allocator's ``granularity`` (512 on CUDA, :func:`~harmony_opt.core.units.alloc_granularity`)."""
@@ -555,7 +563,7 @@ class Executor:
                         self.streams.streams.get(Stream.SWAP_OUT), timed=self.tracer is not None)
         leaf = self._input_leaf(x, a, copy=True)
         with torch.enable_grad(), saved_tensors_hooks(hooks.pack, hooks.unpack), self._autocast():
-            y = self._chain(a, b, leaf, ins)
+            y = self._chain(a, b, _as_inner(leaf), ins)
         graph = PackGraph(y, [leaf] + weights, names, saved=hooks.saved, copied=hooks.copied())
         out = sum(nbytes(s.host) for s in hooks.saved)
         self.moved["d2h"] += out
@@ -580,7 +588,7 @@ class Executor:
         held = [t for l in range(a, b + 1) for k in ("W", "B") for t in self.table.get((k, l), ins).values()]
         count = CountSaved({t.untyped_storage().data_ptr() for t in held + [x]}, self.table.granularity)
         with torch.enable_grad(), saved_tensors_hooks(count.pack, count.unpack), self._autocast():
-            y = self._chain(a, b, leaf, ins)
+            y = self._chain(a, b, _as_inner(leaf), ins)
             if b == self.R - 1:
                 targets = self.table.get(("T", ins.offset, ins.size), ins)
                 loss = functional_call(self.layers[b], self._state(b, ins), (y, targets))
