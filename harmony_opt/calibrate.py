@@ -116,11 +116,12 @@ def _groups(events: pd.DataFrame, anchors: dict) -> dict[tuple, list[float]]:
 
 @dataclasses.dataclass
 class Fit:
-    """One fitted pair: measured = slope * x + fixed * (simulated events), over ``points`` matched groups."""
+    """One fitted pair: measured = slope * x + fixed * (instructions: simulated events, a recomputing
+    backward pack's counted twice, as the simulator charges them), over ``points`` matched groups."""
     name: str
     works: tuple[str, ...]
     slope: float | None          # None: nothing to fit it from (the input's is kept)
-    fixed: float                 # seconds per simulated event
+    fixed: float                 # seconds per instruction
     points: int
     note: str = ""
 
@@ -197,11 +198,12 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
         notes.append(f"{gap * 1e6:.0f} us between consecutive instructions (the executor's own work and its "
                      f"untimed frees) is added to every instruction's fixed cost: issue_overhead_s, "
                      f"h2d_latency_s and d2h_latency_s")
+    issues = _issues(plan)
     for name, (works, slope_field, fixed_field) in TERMS.items():
         keys = [k for k in sim if k[1] in works and k in got]
         bytes_x = name in ("host -> GPU", "GPU -> host")
         x = np.array([sim[k][2] if bytes_x else sim[k][1] for k in keys], dtype=float)
-        n = np.array([sim[k][0] for k in keys], dtype=float)
+        n = np.array([sim[k][0] * issues.get(k[1:3], 1) for k in keys], dtype=float)
         y = np.array([got[k][1] for k in keys], dtype=float)
         old = _neutral_slope(hardware, slope_field)
         slope, fixed, note = _line(x, n, y, old, fixed_field is not None)
@@ -220,14 +222,22 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
     new = _keep_link_slots(hardware, dataclasses.replace(hardware, **changes))
     measured_busy, simulated_busy = busy_by_work(measured), busy_by_work(simulated)
     fitted: dict[str, float] = defaultdict(float)
-    for (_, work, _, _), (count, secs, nbytes) in sim.items():
+    for (_, work, pack, _), (count, secs, nbytes) in sim.items():
         if work in price:
             a, b = price[work]
-            fitted[work] += a * (nbytes if work in ("weights in", "activations in", "weights out",
-                                                    "activations out") else secs) + b * count
+            x = nbytes if work in ("weights in", "activations in", "weights out", "activations out") else secs
+            fitted[work] += a * x + b * count * issues.get((work, pack), 1)
         else:
             fitted[work] += secs
     return Calibration(new, fits, measured_busy, simulated_busy, dict(fitted), dict(unmatched), notes)
+
+
+def _issues(plan) -> dict[tuple[str, str], int]:
+    """(work, pack) -> instructions the executor issues per simulated compute event, as the simulator
+    charges ``issue_overhead_s``: a recomputing backward pack's recompute and backward, 2."""
+    if plan is None:
+        return {}
+    return {("backward", f"{a}-{b}"): 2 for (a, b), o in zip(plan.packs_bwd, plan.options) if o.recompute}
 
 
 def _neutral_slope(hw: Hardware, field: str) -> float:

@@ -35,13 +35,15 @@ def _plan(mode="vPP", gpus=1, gpu_step=False) -> Plan:
 
 def _synthetic(tl: Timeline, n_ranks: int) -> Timeline:
     """The simulated step as a machine with known terms would run it: each event's duration from the
-    neutral one by the terms (the start times do not matter to the fit)."""
+    neutral one by the terms (the start times do not matter to the fit); a compute event pays ISSUE
+    per instruction (a recomputing backward pack's event is two: the recompute and the backward)."""
     ev = tl.events.copy()
     d = (ev.end - ev.start).to_numpy(dtype=float, copy=True)
-    for i, (s, k, b) in enumerate(zip(ev.stream, ev.kind, ev.bytes)):
+    recomputes = {f"{a}-{b}" for (a, b), o in zip(_plan().packs_bwd, _plan().options) if o.recompute}
+    for i, (s, k, b, p) in enumerate(zip(ev.stream, ev.kind, ev.bytes, ev.pack)):
         w = work_of(s, k)
         if w in ("forward", "backward"):
-            d[i] = COMPUTE * d[i] + ISSUE
+            d[i] = COMPUTE * d[i] + ISSUE * (2 if w == "backward" and p in recomputes else 1)
         elif w in ("weights in", "activations in"):
             d[i] = b / H2D_BW + H2D_LAT
         elif w in ("weights out", "activations out"):
@@ -269,3 +271,4 @@ def test_closing_the_step_recovers_a_fixed_cost_no_event_shows():
     got, shift, note = close_step(plan, prof, base, fast / 100)
     assert min(getattr(got, f) for f in GAP_FIELDS) == 0 and shift == -5e-6 and "as far as they go" in note
     assert close_step(plan, prof, base, fast * (1 + CLOSE_TOLERANCE / 2)) == (base, 0.0, "")
+
