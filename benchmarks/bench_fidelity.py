@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from harmony_opt.calibrate import calibrate
+from harmony_opt.calibrate import calibrate, untraced_step_time
 from harmony_opt.core.errors import HarmonyOptError
 from harmony_opt.core.io import atomic_write_figure, write_results
 from harmony_opt.measure.models import build_model
@@ -85,7 +84,7 @@ def measure(model, plan, steps: int) -> tuple[float, object]:
     """Median time of the steps between the first (warm-up) and the last (traced), and the last
     step's measured timeline."""
     res = train(model, plan, steps=steps, progress=False, trace=True)
-    return statistics.median(res.iteration_times[1:-1]), res.timeline()
+    return untraced_step_time(res.iteration_times), res.timeline()
 
 
 def make_plans(profile, hw, cap) -> dict:

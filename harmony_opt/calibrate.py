@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections import defaultdict
 
 import numpy as np
@@ -45,6 +46,13 @@ TERMS = {
 #: The cost terms with their neutral values: the simulator then prices from the profile and bandwidths alone.
 NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s": 0.0, "d2h_latency_s": 0.0,
                  "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None}
+
+
+def untraced_step_time(step_times) -> float | None:
+    """The median of the steps between the first (warm-up) and the last (traced by ``run`` and
+    ``calibrate``); None where there are none."""
+    untraced = list(step_times)[1:-1]
+    return statistics.median(untraced) if untraced else None
 
 
 def neutral(hardware: Hardware) -> Hardware:
@@ -353,7 +361,8 @@ def close_step(plan, profile, hardware: Hardware, target: float, tolerance: floa
     def shifted(shift: float) -> Hardware:
         return dataclasses.replace(hardware, **{f: getattr(hardware, f) + shift for f in GAP_FIELDS})
 
-    now = step(0.0)
+    start = simulate(plan, profile, hardware, with_timeline=False)
+    now = start.iteration_time
     if not target > 0 or abs(now / target - 1) <= tolerance:
         return hardware, 0.0, ""
     if now > target:
@@ -363,8 +372,7 @@ def close_step(plan, profile, hardware: Hardware, target: float, tolerance: floa
                     f"{target * 1e3:.3f} ms even with the fixed costs per instruction lowered as far as they go "
                     f"({lo * 1e6:+.1f} us, the smallest to zero: {step(lo) * 1e3:.3f} ms)")
     else:
-        events = simulate(plan, profile, hardware, with_timeline=False).meta["events"]
-        lo, hi = 0.0, (target - now) / max(events, 1)
+        lo, hi = 0.0, (target - now) / max(start.meta["events"], 1)
         while step(hi) < target and hi < target:
             lo, hi = hi, hi * 2
     for _ in range(40):

@@ -45,9 +45,9 @@ from torch.func import functional_call
 
 from harmony_opt.core.errors import HarmonyOptError, ProgramError, RuntimeMemoryError
 from harmony_opt.core.kinds import Tensor
-from harmony_opt.core.precision import autocast
+from harmony_opt.core.precision import autocast, inner_view
 from harmony_opt.core.units import alloc_bytes, alloc_granularity
-from harmony_opt.compile.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects
+from harmony_opt.compile.program import CHANNELS, Effects, Instr, Kind, Program, Stream, effects, trace_name
 from harmony_opt.compile.validate import format_schedule
 from harmony_opt.sim.timeline import memory_steps
 
@@ -76,14 +76,6 @@ def _tensors(value):
             yield from _tensors(v)
     elif isinstance(value, PackGraph) and value.saved is not None:
         yield from (s.device for s in value.saved if s.device is not None)
-
-
-def _as_inner(leaf: torch.Tensor) -> torch.Tensor:
-    """What a pack's first layer is called on: a view of its input leaf, so that it saves what it would
-    inside a pack and what the profile counts (measure.profiler.saved_counts): autocast caches its
-    casts of a leaf that requires grad (it takes it for a weight), so on the leaf itself an input
-    that several matmuls use would be cast, and saved, once instead of once per use."""
-    return leaf.view_as(leaf) if leaf.requires_grad else leaf
 
 
 class DeviceTable:
@@ -177,10 +169,8 @@ class Tracer:
             self._memory.append((self._last, change))
 
     def row(self, ins: Instr, start: float, end: float, moved: dict[int, int]) -> tuple:
-        kind = ins.tensor.value if ins.kind in (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV) else ins.kind.name
-        mb = -1 if ins.mb is None else ins.mb      # as the simulator writes a whole-pack event
-        return (self.rank, ins.stream.value, kind, str(ins), f"{ins.layers[0]}-{ins.layers[1]}", mb, start, end,
-                moved.get(ins.id, 0))
+        kind, pack, mb = trace_name(ins)
+        return self.rank, ins.stream.value, kind, str(ins), pack, mb, start, end, moved.get(ins.id, 0)
 
     def wall(self, ins: Instr, start: float, end: float) -> None:
         self._wall.append((ins, start - self.t0, end - self.t0))   # list.append: safe from the CPU thread
@@ -563,7 +553,7 @@ class Executor:
                         self.streams.streams.get(Stream.SWAP_OUT), timed=self.tracer is not None)
         leaf = self._input_leaf(x, a, copy=True)
         with torch.enable_grad(), saved_tensors_hooks(hooks.pack, hooks.unpack), self._autocast():
-            y = self._chain(a, b, _as_inner(leaf), ins)
+            y = self._chain(a, b, inner_view(leaf), ins)
         graph = PackGraph(y, [leaf] + weights, names, saved=hooks.saved, copied=hooks.copied())
         out = sum(nbytes(s.host) for s in hooks.saved)
         self.moved["d2h"] += out
@@ -588,7 +578,7 @@ class Executor:
         held = [t for l in range(a, b + 1) for k in ("W", "B") for t in self.table.get((k, l), ins).values()]
         count = CountSaved({t.untyped_storage().data_ptr() for t in held + [x]}, self.table.granularity)
         with torch.enable_grad(), saved_tensors_hooks(count.pack, count.unpack), self._autocast():
-            y = self._chain(a, b, _as_inner(leaf), ins)
+            y = self._chain(a, b, inner_view(leaf), ins)
             if b == self.R - 1:
                 targets = self.table.get(("T", ins.offset, ins.size), ins)
                 loss = functional_call(self.layers[b], self._state(b, ins), (y, targets))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import statistics
 from pathlib import Path
 
 from ..core.errors import PlanError, UsageError
@@ -105,6 +104,7 @@ def _measure(plan: Plan, args):
     """Train ``plan`` for --steps steps with the last one traced: its Timeline, and the step time to
     close the fit on (the median of the steps between the first and the traced last, where there
     are any: neither warm-up nor tracing in it)."""
+    from ..calibrate import untraced_step_time
     from ..training import check_plan, train
     from .running import _model
 
@@ -118,8 +118,7 @@ def _measure(plan: Plan, args):
                 trace=True)
     times = ", ".join(f"{t:.4f}" for t in res.iteration_times)
     print(f"step times {times} s; fitting the last")
-    untraced = res.iteration_times[1:-1]
-    return res.timeline(), (statistics.median(untraced) if untraced else None)
+    return res.timeline(), untraced_step_time(res.iteration_times)
 
 
 def _term_lines(cal, hw: Hardware) -> list[str]:

@@ -1,8 +1,6 @@
 """`harmony-opt compile` (Plan -> Program) and `harmony-opt run` (train a model as a plan says)."""
 from __future__ import annotations
 
-import statistics
-
 from pathlib import Path
 
 from ..core.errors import PlanError, UsageError
@@ -201,7 +199,7 @@ def promise_lines(plan, plan_path: Path, measured, step_times=()) -> list[str]:
     note line where the plan's profile or hardware is not at hand. The step time is the median of
     ``step_times`` between the first (warm-up) and the last (traced) where there are any, else the
     last step's."""
-    from ..calibrate import format_table, idle_time, promise
+    from ..calibrate import format_table, idle_time, promise, untraced_step_time
     from ..core.errors import HarmonyOptError
     from ..sim.simulator import simulate
     try:
@@ -211,11 +209,11 @@ def promise_lines(plan, plan_path: Path, measured, step_times=()) -> list[str]:
     except HarmonyOptError as e:
         why = " ".join(str(e).split())
         return [f"note: not compared with the plan's simulation: {why}"]
-    untraced = list(step_times)[1:-1]
-    took = statistics.median(untraced) if untraced else measured.iteration_time
+    median = untraced_step_time(step_times)
+    took = measured.iteration_time if median is None else median
     ratio = took / simulated.iteration_time if simulated.iteration_time > 0 else float("nan")
-    which = (f"the {len(untraced)} untraced step(s) after the first took a median of {took:.4f} s ({ratio:.2f}x), "
-             f"the traced last {measured.iteration_time:.4f} s" if untraced else
+    which = (f"the {len(step_times) - 2} untraced step(s) after the first took a median of {took:.4f} s "
+             f"({ratio:.2f}x), the traced last {measured.iteration_time:.4f} s" if median is not None else
              f"the last step took {took:.4f} s ({ratio:.2f}x)")
     return [f"the plan's promise: {simulated.iteration_time:.4f} s per step simulated on {hw.name}; {which}; "
             f"busy time by kind of work in the last step (all ranks):",

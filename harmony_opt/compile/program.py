@@ -444,6 +444,14 @@ def effects(ins: Instr, num_layers: int) -> Effects:
     raise ProgramError(f"instruction {ins}: unknown kind {k!r}")
 
 
+def trace_name(ins: Instr) -> tuple[str, str, int]:
+    """(kind, pack, microbatch) under which a trace names ``ins``, in the simulator's vocabulary where
+    it has one (:mod:`harmony_opt.sim.matching`): a copy by its tensor, a pack as "first-last", a
+    whole-pack instruction as microbatch -1."""
+    kind = ins.tensor.value if ins.kind in (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV) else ins.kind.name
+    return kind, f"{ins.layers[0]}-{ins.layers[1]}", -1 if ins.mb is None else ins.mb
+
+
 def channel(ins: Instr, rank: int) -> tuple[int, int, str]:
     """The (source, destination, class) queue a SEND or RECV belongs to."""
     src, dst = (rank, ins.peer) if ins.kind is Kind.SEND else (ins.peer, rank)

@@ -70,7 +70,7 @@ from tqdm import tqdm
 
 from ..core.errors import InfeasibleError, UsageError
 from ..core.hardware import usable_cores
-from ..core.precision import autocast, check_precision, low_dtype
+from ..core.precision import autocast, check_precision, inner_view, low_dtype
 from ..core.profile import Profile
 from .decompose import LayeredModel
 from .flags import layer_signature, profile_flags
@@ -269,7 +269,7 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base,
     def bwd():
         xi = x.detach().requires_grad_(x.is_floating_point())
         with autocast(dev.type, precision):
-            y = _call(layer, xi.view_as(xi) if xi.requires_grad else xi, target)     # as saved_counts does
+            y = _call(layer, inner_view(xi), target)
         if y.requires_grad:
             y.backward(grad_out)
 
@@ -401,13 +401,9 @@ def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None 
         raise RuntimeError("saved_bytes' graph is for counting only")
 
     leaf = x.detach().requires_grad_(x.is_floating_point())
-    # the layer gets a view of the leaf, as a layer inside a pack gets the previous layer's output:
-    # autocast caches its casts of a leaf that requires grad (it takes it for a weight), so on the
-    # leaf itself an input used by several matmuls would be cast once (BERT's query, key and value:
-    # one bf16 copy saved instead of three)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
             autocast(x.device.type, precision):
-        y = _call(layer, leaf.view_as(leaf) if leaf.requires_grad else leaf, target)
+        y = _call(layer, inner_view(leaf), target)
     storages = sum(t.untyped_storage().nbytes() for t in seen.values())
     own, out = x.untyped_storage(), y.untyped_storage()
     of_input = own.nbytes() if own.data_ptr() in seen else 0

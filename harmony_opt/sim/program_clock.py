@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..compile.program import Kind, Stream, effects
+from ..compile.program import Kind, Stream, effects, trace_name
 from ..compile.program_memory import ProgramMemory, compiled_memory
 from ..core.kinds import Tensor
 from ..core.plan import Plan
@@ -48,10 +48,9 @@ def timed_program_memory(plan: Plan, profile: Profile, events, cap: int | None =
             if x.kind is Kind.FREE:
                 t = max(t, ended[x.stream])
             elif x.stream is not Stream.CPU and (x.kind is not Kind.SWAP_IN or x.tensor is Tensor.W):
-                kind = x.tensor.value if x.kind in (Kind.SWAP_IN, Kind.SWAP_OUT, Kind.SEND, Kind.RECV) else x.kind.name
+                kind, pack, mb = trace_name(x)
                 w = work_of(x.stream.value, kind)
-                key = event_key(r, w, f"{x.layers[0]}-{x.layers[1]}", -1 if x.mb is None else x.mb,
-                                labels) if w in _CLOCKS else None
+                key = event_key(r, w, pack, mb, labels) if w in _CLOCKS else None
                 if key in spans:
                     a, b = spans[key][min(used[key], len(spans[key]) - 1)]
                     used[key] += 1

@@ -29,8 +29,8 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
   does not fit waits. So prefetch (just-in-time) only happens when there is room, and the
   reservations never exceed the cap (``meta["reserved_memory"]``);
 * the memory a Timeline reports (``memory``, ``peak_memory()``) is the compiled Program's
-  live device bytes, each instruction's change at the end of the simulated event doing its
-  work: the bytes the executor's guard counts and its trace records
+  live device bytes in issue order, on the clock of the simulated events doing their work:
+  the bytes the executor's guard counts and its trace records
   (:func:`harmony_opt.sim.program_clock.timed_program_memory`). A summary
   (``with_timeline=False``, what the planners call thousands of times) carries the
   reservations only.
