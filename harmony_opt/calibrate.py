@@ -30,6 +30,7 @@ import pandas as pd
 
 from .core.errors import UsageError
 from .core.hardware import Hardware
+from .core.plan import backward_instructions
 from .sim.matching import WORK, anchors as _anchors, event_key as _key, work_of
 from .sim.timeline import Timeline
 
@@ -245,7 +246,8 @@ def _issues(plan) -> dict[tuple[str, str], int]:
     charges ``issue_overhead_s``: a recomputing backward pack's recompute and backward, 2."""
     if plan is None:
         return {}
-    return {("backward", f"{a}-{b}"): 2 for (a, b), o in zip(plan.packs_bwd, plan.options) if o.recompute}
+    return {("backward", f"{a}-{b}"): backward_instructions(o.recompute) for (a, b), o in
+            zip(plan.packs_bwd, plan.options)}
 
 
 def _neutral_slope(hw: Hardware, field: str) -> float:

@@ -56,7 +56,7 @@ import numpy as np
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.sim.host_memory import may_bind, model_host_memory
 from harmony_opt.core.memory import max_pack_end
-from harmony_opt.core.plan import data_shares, split_microbatches
+from harmony_opt.core.plan import backward_instructions, data_shares, split_microbatches
 from harmony_opt.core.profile import Profile
 
 F, C, B = 0, 1, 2          # task kinds in TaskTable.kind
@@ -428,8 +428,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         w = profile.param_bytes(s, e)
         k_opt = profile.optimizer_bytes(s, e)
         wbb = w + profile.buffer_bytes(s, e)
-        # a microbatch's instructions: the recompute and the backward, or the backward alone
-        issues = (2 if recompute else 1) * issue
+        issues = backward_instructions(recompute) * issue
         p_first, p_last = cb_first.pack_time(s, e) + issues, cb_last.pack_time(s, e) + issues
         load = total("BWD", ub_list, lambda c: c.pack_time(s, e)) + mb * issues
         hop_extra = 0.0

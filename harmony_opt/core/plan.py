@@ -69,6 +69,12 @@ class PackOptions:
 DEFAULT_OPTIONS = PackOptions()
 
 
+def backward_instructions(recompute: bool) -> int:
+    """Instructions the executor issues per microbatch of a backward pack (each pays the hardware's
+    ``issue_overhead_s``): its recompute and its backward, or the backward alone (a stash)."""
+    return 2 if recompute else 1
+
+
 def transfer_key(tensor: str, layer: int, offset: int, size: int) -> str:
     """The name of one transfer in ``Plan.transfer_order``: ``Y[12]@8+8``, tensor Y at layer 12, the
     microbatch of 8 samples from sample 8 of its GPU's share (whole-pack transfers: ``dW[4]@0+0``)."""

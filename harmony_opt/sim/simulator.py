@@ -54,7 +54,7 @@ import pandas as pd
 from ..core.errors import PlanError
 from ..core.hardware import Hardware
 from ..core.kinds import Medium, TaskKind, Tensor
-from ..core.plan import Plan, in_order, transfer_key
+from ..core.plan import Plan, backward_instructions, in_order, transfer_key
 from ..core.profile import Profile
 from ..core.units import fmt_bytes
 from .taskgraph import SOURCE_TENSOR, Task, TaskNode, compose, placement, task_memories, task_memory
@@ -316,7 +316,7 @@ class Expansion:
         computes, task_outputs = [], []
         recompute = fwd or plan.options[node.bwd_index].recompute
         # the executor's instructions per microbatch: a forward; a recompute and a backward, or a backward
-        issues = 1 if fwd or not recompute else 2
+        issues = 1 if fwd else backward_instructions(recompute)
         scale, issue = self.hw.compute_scale, self.hw.issue_overhead_s
         durations: dict[int, float] = {}
         for i, u in enumerate(node.microbatches):
