@@ -144,10 +144,7 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
     fewest_f, fewest_b = min_packs(tasks, F), min_packs(tasks, B)
     idx = tasks.table.index()
     for s in sorted({int(crit[0]), int(crit[min(len(crit) - 1, 1)]), int(crit[len(crit) // 4])}):
-        # around the fewest packs memory allows (equal-time packs may need a few more)
-        least = [int(m) for m in (fewest_f[s], fewest_b[s]) if 0 < m < 10**9]
-        counts = sorted(grid | {int(np.ceil(m * f)) for m in least for f in (1, 1.25, 1.5, 2)})
-        out += [(evaluate(tasks, seq), seq) for _, _, seq in balanced_grid(tasks, profile, counts, s, idx)]
+        out += _grid_at(tasks, profile, s, grid, fewest_f, fewest_b, idx)
     work = sum(len(seq) for _, seq in out)
     out = [o for o in out if np.isfinite(o[0])]
     out.sort(key=lambda o: o[0])
@@ -157,6 +154,34 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
             seen.add(tuple(seq))
             uniq.append((v, seq))
     return uniq[:tries], work
+
+
+def _grid_at(tasks: Tasks, profile, s: int, grid: set, fewest_f, fewest_b, idx) -> list:
+    """[(value, sequence)] of the balanced packings with the criterion pack [s, R-1], over ``grid``'s
+    pack counts and those around the fewest packs memory allows (equal-time packs may need a few more)."""
+    least = [int(m) for m in (fewest_f[s], fewest_b[s]) if 0 < m < 10**9]
+    counts = sorted(grid | {int(np.ceil(m * f)) for m in least for f in (1, 1.25, 1.5, 2)})
+    return [(evaluate(tasks, seq), seq) for _, _, seq in balanced_grid(tasks, profile, counts, s, idx)]
+
+
+def short_path_start(tasks: Tasks, profile) -> tuple[float, list[int] | None, int]:
+    """The best of the balanced packings with the smallest criterion pack and of one pack per candidate
+    boundary: where as many microbatches as GPUs pass a vPP pipeline, the serial path is shortest
+    there, and the descents from ``starts`` (their criterion packs the largest) stay near theirs.
+    (value, sequence or None, work: tasks evaluated)."""
+    t = tasks.table
+    s = int(t.start[t.kind == C].max(initial=0))
+    if s <= 0:
+        return float("inf"), None, 0
+    n = tasks.cfg.ranks
+    out = _grid_at(tasks, profile, s, {1, 2, 4, 8, 16, 32, n, 2 * n, 3 * n, 4 * n}, min_packs(tasks, F),
+                   min_packs(tasks, B), tasks.table.index())
+    inner = [int(c) for c in tasks.cuts if 0 < c < s]
+    fine = _sequence(tasks, inner, inner, s)
+    if fine is not None:
+        out.append((evaluate(tasks, fine), fine))
+    work = sum(len(seq) for _, seq in out)
+    return (*min(out, key=lambda o: o[0]), work) if out else (float("inf"), None, work)
 
 
 def balanced_grid(tasks: Tasks, profile, counts: list[int], s: int, idx: dict | None = None):
