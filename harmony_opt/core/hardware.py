@@ -63,14 +63,6 @@ class Hardware:
     issue_overhead_s: float = 0.0    # fixed seconds per compute instruction (forward, recompute, backward, GPU step)
     collective_bandwidth: float | None = None   # bytes/s of the vDP gradient all-reduce; None = p2p_bandwidth
     description: str = ""
-    # terms `harmony-opt calibrate` fits to a measured step (neutral defaults: the profile and bandwidths alone)
-    copy_overlap: bool = True          # copies run beside compute (False: in program order, as on the CPU device)
-    h2d_latency_s: float = 0.0         # fixed seconds per host -> GPU transfer, on top of bytes / h2d_bandwidth
-    d2h_latency_s: float = 0.0         # fixed seconds per GPU -> host transfer, on top of bytes / d2h_bandwidth
-    compute_scale: float = 1.0         # multiplies the profile's forward / backward / recompute times
-    cpu_optimizer_call_s: float = 0.0  # fixed seconds per CPU optimizer call, on top of the scaled profile time
-    issue_overhead_s: float = 0.0      # fixed seconds per compute event (forward, backward, recompute)
-    collective_bandwidth: float | None = None   # bytes/s of the vDP all-reduce; None: p2p_bandwidth
     servers: int = 1                 # identical servers; gpus must be a multiple
     network_bandwidth: float = 0.0   # between two servers, bytes/s per direction (required when servers > 1)
 
