@@ -16,6 +16,7 @@ naive swapping. Reported per case, uncalibrated (the probed hardware) and calibr
 * whether our plan is measured fastest, or within 2 % of the fastest.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py        # writes benchmarks/results/fidelity.{csv,md,png}
+    OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --rounds 1   # one run per plan: a third of the time
     python benchmarks/bench_fidelity.py --quick                    # one model, one cap (a smoke test)
 
 Run it on a quiet machine: every figure is a wall-clock time.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from harmony_opt.calibrate import calibrate, untraced_step_time
+from harmony_opt.calibrate import calibrate, close_step, untraced_step_time
 from harmony_opt.core.errors import HarmonyOptError
 from harmony_opt.core.io import atomic_write_figure, write_results
 from harmony_opt.measure.models import build_model
@@ -97,7 +99,20 @@ def make_plans(profile, hw, cap) -> dict:
     return plans
 
 
-def run_case(label, model_name, overrides, factor, profile, hw, steps) -> list[dict]:
+def measured_in_rounds(model, plans: dict, steps: int, rounds: int) -> tuple[dict, dict]:
+    """Per plan, the median over ``rounds`` runs of its median untraced step, and the traced timeline of
+    its last run. The runs go round the plans one after another (not one plan's runs back to back),
+    so that the machine's drift over minutes (10-15 % on a shared 2-core VM) falls on every plan alike."""
+    times: dict = {name: [] for name in plans}
+    traces: dict = {}
+    for _ in range(rounds):
+        for name, plan in plans.items():
+            t, traces[name] = measure(model, plan, steps)
+            times[name].append(t)
+    return {name: statistics.median(ts) for name, ts in times.items()}, traces
+
+
+def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -> list[dict]:
     model = build_model(model_name, **overrides)
     least = max(profile.costs("BWD", 1).pack_memory(i, i) for i in range(profile.num_layers))
     cap = int(least * factor)
@@ -107,14 +122,23 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps) -> list[d
             base = make_plans(profile, hw, cap).get(CALIBRATE_ON)
             if base is None:
                 break
-            t, trace = measure(model, base, steps)
-            hardware = calibrate(base, profile, hw, trace, step_time=t).hardware
+            t, trace = measured_in_rounds(model, {CALIBRATE_ON: base}, steps, rounds)
+            hardware = calibrate(base, profile, hw, trace[CALIBRATE_ON], step_time=t[CALIBRATE_ON]).hardware
         plans = make_plans(profile, hardware, cap)
+        if stage == "uncalibrated":
+            measured, _ = measured_in_rounds(model, plans, steps, rounds)
+        else:
+            # the plan calibrated on runs again in the same rounds as the plans judged, and the step is
+            # closed on that median: the machine drifts by 5-10 % between one phase and the next, which
+            # would otherwise fall on every plan alike and say nothing of the model
+            measured, _ = measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds)
+            again = measured.pop("calibrated on")
+            hardware = close_step(base, profile, hardware, again)[0]
         for name, plan in plans.items():
             sim = simulate(plan, profile, hardware, with_timeline=False).iteration_time
-            t, _ = measure(model, plan, steps)
+            t = measured[name]
             rows.append(dict(model=label, cap=cap, cap_factor=factor, stage=stage, planner=name,
-                             simulated_s=sim, measured_s=t, ratio=t / sim))
+                             simulated_s=sim, measured_s=t, ratio=t / sim, compute_scale=hardware.compute_scale))
             print(f"  {label} cap {cap} ({factor}x) {stage:12s} {name:24s} simulated {sim:.4f} s "
                   f"measured {t:.4f} s ({t / sim:.2f}x)", flush=True)
     return rows
@@ -126,7 +150,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
         others = g[g.planner != CALIBRATE_ON] if stage == "calibrated" else g
         ours = g[g.planner == PLANNERS[0][0]]
         best = g.measured_s.min()
-        out.append(dict(model=model, cap=cap, stage=stage, plans=len(g),
+        out.append(dict(model=model, cap=cap, stage=stage, plans=len(g), compute_scale=g.compute_scale.iloc[0],
                         worst_error_pct=100 * (others.ratio - 1).abs().max(),
                         kendall_tau=kendall_tau(list(g.simulated_s), list(g.measured_s)),
                         ours_vs_fastest_pct=100 * (ours.measured_s.iloc[0] / best - 1) if len(ours) else float("nan")))
@@ -168,11 +192,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one model, one cap")
     ap.add_argument("--steps", type=int, default=6,
                     help="steps per run (>= 3: the first warms up, the last is traced, the rest are timed)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs per plan, interleaved across the plans; the median is reported (>= 1)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT.png from OUT.csv")
     args = ap.parse_args(argv)
     if args.steps < 3:
         ap.error(f"--steps {args.steps}: give at least 3 (a warm-up step, a timed one, the traced last)")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give at least 1")
     if args.plot_only:
         print(f"wrote {plot(pd.read_csv(Path(args.out).with_suffix('.csv')), Path(args.out).with_suffix('.png'))}")
         return 0
@@ -186,16 +214,19 @@ def main(argv=None) -> int:
         print(f"profiling {label} ...", flush=True)
         profile = profile_model(build_model(name, **overrides), SIZES, "cpu", progress=False)
         for factor in CAP_FACTORS[:1] if args.quick else CAP_FACTORS:
-            rows += run_case(label, name, overrides, factor, profile, hw, args.steps)
+            rows += run_case(label, name, overrides, factor, profile, hw, args.steps, args.rounds)
     df = pd.DataFrame(rows)
     summary = summarize(df)
     out = Path(args.out)
-    cmd = "OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py" + (" --quick" if args.quick else "")
+    cmd = "OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py" + (" --quick" if args.quick else "") + \
+        (f" --rounds {args.rounds}" if args.rounds != 3 else "")
     text = ["# Simulated against measured step time, before and after calibration\n",
             f"`{cmd}` ({time.perf_counter() - t0:.0f} s); {machine_description()}; "
             f"{torch.get_num_threads()} intra-op thread(s); batch {BATCH}, {args.steps} steps per run "
-            f"(the median of all but the first and the traced last); calibrated on {CALIBRATE_ON}'s plan "
-            f"(the per-event fit, closed on its median step time).\n",
+            f"(the median of all but the first and the traced last), {args.rounds} runs per plan interleaved "
+            f"across the plans (their median); calibrated on {CALIBRATE_ON}'s plan (the per-event fit on its "
+            f"last run's trace, closed on its median step time, measured again in the rounds of the plans "
+            f"judged).\n",
             "## Per case\n", markdown_table(summary, floatfmt=".3f"), "",
             "## Per plan\n", markdown_table(df, floatfmt=".4f"), ""]
     write_results(out, df, "\n".join(text))
