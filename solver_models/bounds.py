@@ -383,25 +383,27 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     profile = profile.with_compute_scale(hw.compute_scale)
     uf, ub = split_microbatches(batch, cfg.u_fwd), split_microbatches(batch, cfg.u_bwd)
     ok = stashable_layers(profile, hw, cfg, uf, ub) if stash_layers is None else np.asarray(stash_layers, bool)
+    end_f = max_pack_end(profile.costs("FWD", cfg.u_fwd), cap)
     end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
-    if not (end_b >= R - 1).any():          # no criterion pack [s, R-1] fits
+    fits = np.flatnonzero(end_b >= R - 1)          # the criterion starts: [s, R-1] fits
+    if len(fits) == 0:
         return math.inf
     _, bw_in, bw_out, _ = link_rates(hw, cfg)
     if not hw.copy_overlap:     # tasks.py: a stashed layer's activations move at full bandwidth on the rank
         bw_in = hw.h2d_bandwidth
     layers = np.arange(R)
     timers = [_backward_timer(profile, lam, bw_in, ok) for lam in ((1.0, 0.0) if stash and ok.any() else (None,))]
-    return max(_paths(profile, hw, cfg, uf, ub, cap, end_b, [bt(u, layers, layers) for u in ub], bw_out, upto, ratio)
-               for bt in timers)
+    return max(_paths(profile, hw, cfg, uf, ub, end_f, end_b, fits, [bt(u, layers, layers) for u in ub], bw_out,
+                      upto, ratio) for bt in timers)
 
 
-def _paths(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], cap: int, end_b: np.ndarray,
-           times_b: list[np.ndarray], bw_out: float, upto: float, ratio: float) -> float:
+def _paths(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], end_f: np.ndarray,
+           end_b: np.ndarray, fits: np.ndarray, times_b: list[np.ndarray], bw_out: float, upto: float,
+           ratio: float) -> float:
     """``pipeline_path_bound`` with each backward microbatch's compute per layer ``times_b`` (at most
-    what any pack's option charges for it)."""
+    what any pack's option charges for it); ``end_f``, ``end_b``: max_pack_end per phase; ``fits``:
+    the criterion starts."""
     R = profile.num_layers
-    end_f = max_pack_end(profile.costs("FWD", cfg.u_fwd), cap)
-    fits = np.flatnonzero(end_b >= R - 1)          # the criterion starts: [s, R-1] fits
 
     def split(times):
         """Per layer: one microbatch's compute (the lesser of the first and the last), and the rest."""

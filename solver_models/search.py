@@ -139,12 +139,10 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
     out = []
     if hint is not None:
         out.append((evaluate(tasks, hint), list(hint)))
-    n = tasks.cfg.ranks
-    grid = {1, 2, 4, 8, 16, 32, n, 2 * n, 3 * n, 4 * n}
     fewest_f, fewest_b = min_packs(tasks, F), min_packs(tasks, B)
     idx = tasks.table.index()
     for s in sorted({int(crit[0]), int(crit[min(len(crit) - 1, 1)]), int(crit[len(crit) // 4])}):
-        out += _grid_at(tasks, profile, s, grid, fewest_f, fewest_b, idx)
+        out += _grid_at(tasks, profile, s, fewest_f, fewest_b, idx)
     work = sum(len(seq) for _, seq in out)
     out = [o for o in out if np.isfinite(o[0])]
     out.sort(key=lambda o: o[0])
@@ -156,9 +154,12 @@ def starts(tasks: Tasks, profile, hint: list[int] | None = None, tries: int = 6)
     return uniq[:tries], work
 
 
-def _grid_at(tasks: Tasks, profile, s: int, grid: set, fewest_f, fewest_b, idx) -> list:
-    """[(value, sequence)] of the balanced packings with the criterion pack [s, R-1], over ``grid``'s
-    pack counts and those around the fewest packs memory allows (equal-time packs may need a few more)."""
+def _grid_at(tasks: Tasks, profile, s: int, fewest_f, fewest_b, idx) -> list:
+    """[(value, sequence)] of the balanced packings with the criterion pack [s, R-1], over a grid of
+    pack counts (powers of 2, multiples of N) and those around the fewest packs memory allows
+    (equal-time packs may need a few more)."""
+    n = tasks.cfg.ranks
+    grid = {1, 2, 4, 8, 16, 32, n, 2 * n, 3 * n, 4 * n}
     least = [int(m) for m in (fewest_f[s], fewest_b[s]) if 0 < m < 10**9]
     counts = sorted(grid | {int(np.ceil(m * f)) for m in least for f in (1, 1.25, 1.5, 2)})
     return [(evaluate(tasks, seq), seq) for _, _, seq in balanced_grid(tasks, profile, counts, s, idx)]
@@ -173,9 +174,7 @@ def short_path_start(tasks: Tasks, profile) -> tuple[float, list[int] | None, in
     s = int(t.start[t.kind == C].max(initial=0))
     if s <= 0:
         return float("inf"), None, 0
-    n = tasks.cfg.ranks
-    out = _grid_at(tasks, profile, s, {1, 2, 4, 8, 16, 32, n, 2 * n, 3 * n, 4 * n}, min_packs(tasks, F),
-                   min_packs(tasks, B), tasks.table.index())
+    out = _grid_at(tasks, profile, s, min_packs(tasks, F), min_packs(tasks, B), tasks.table.index())
     inner = [int(c) for c in tasks.cuts if 0 < c < s]
     fine = _sequence(tasks, inner, inner, s)
     if fine is not None:
