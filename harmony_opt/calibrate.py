@@ -90,6 +90,14 @@ def idle_time(timeline: Timeline, rank: int = 0) -> float:
 GAP_FIELDS = ("issue_overhead_s", "h2d_latency_s", "d2h_latency_s")
 
 
+def shifted_fields(plan, hardware: Hardware) -> tuple[str, ...]:
+    """The fixed costs :func:`close_step` shifts: ``GAP_FIELDS``, and where a pipeline hands activations
+    from rank to rank (vPP on several GPUs with ``p2p_bandwidth``), ``p2p_latency_s``: a send is an
+    instruction too."""
+    sends = plan.mode == "vPP" and plan.gpus > 1 and hardware.p2p_bandwidth > 0
+    return GAP_FIELDS + (("p2p_latency_s",) if sends else ())
+
+
 def instruction_gap(measured: Timeline) -> float:
     """Mean seconds between a rank's consecutive instructions where nothing overlaps (the CPU device):
     the step's time with no event running, over the instructions timed on its one thread (the CPU
@@ -347,7 +355,7 @@ CLOSE_TOLERANCE = 1e-3
 
 def close_step(plan, profile, hardware: Hardware, target: float, tolerance: float = CLOSE_TOLERANCE
                ) -> tuple[Hardware, float, str]:
-    """Shift every instruction's fixed cost (``GAP_FIELDS``) by one amount so that ``plan``'s simulated
+    """Shift every instruction's fixed cost (:func:`shifted_fields`) by one amount so that ``plan``'s simulated
     step takes ``target`` seconds; return the hardware, the shift and a note ("" when none was needed).
 
     The per-event fit prices each kind of work as the trace timed it; the step also holds what no
@@ -360,15 +368,17 @@ def close_step(plan, profile, hardware: Hardware, target: float, tolerance: floa
     def step(shift: float) -> float:
         return simulate(plan, profile, shifted(shift), with_timeline=False).iteration_time
 
+    fields = shifted_fields(plan, hardware)
+
     def shifted(shift: float) -> Hardware:
-        return dataclasses.replace(hardware, **{f: getattr(hardware, f) + shift for f in GAP_FIELDS})
+        return dataclasses.replace(hardware, **{f: getattr(hardware, f) + shift for f in fields})
 
     start = simulate(plan, profile, hardware, with_timeline=False)
     now = start.iteration_time
     if not target > 0 or abs(now / target - 1) <= tolerance:
         return hardware, 0.0, ""
     if now > target:
-        lo, hi = -min(getattr(hardware, f) for f in GAP_FIELDS), 0.0
+        lo, hi = -min(getattr(hardware, f) for f in fields), 0.0
         if step(lo) > target:
             return (shifted(lo), lo, f"the step: {now * 1e3:.3f} ms simulated after the fit, over the measured "
                     f"{target * 1e3:.3f} ms even with the fixed costs per instruction lowered as far as they go "

@@ -137,7 +137,8 @@ class Tracer:
     event rows (seconds from the iteration's start). On a GPU from CUDA events on each instruction's
     stream (the device's clock, from an event recorded as the iteration starts); on the CPU, and for
     the CPU optimizer's steps, from the wall clock. Frees take no time and are left out, as are
-    sends and receives on a GPU (their time is the communication library's). Memory: the live
+    sends and receives on a GPU (their time is the communication library's). On the CPU, the time a
+    rank waits for another rank's message is traced on a ``wait`` stream. Memory: the live
     device bytes as each instruction leaves them, from its end (a free's, from the end of the
     device instruction before it: exact on the CPU, where they run in order; on a GPU, where
     streams overlap, an approximation)."""
@@ -145,6 +146,7 @@ class Tracer:
     def __init__(self, rank: int, cuda: bool):
         self.rank, self.cuda = rank, cuda
         self._wall: list[tuple[Instr, float, float]] = []     # (instruction, start, end) from the wall clock
+        self._waits: list[tuple[Instr, float, float]] = []    # (receive, start, end) waited for on the CPU
         self._gpu: list[tuple[Instr, torch.cuda.Event, torch.cuda.Event]] = []
         self.bytes: dict[int, int] = {}       # instruction id -> bytes it copied between host and device
         self._memory: list[tuple[int | None, int]] = []     # (id whose end it happens at, change in bytes)
@@ -152,7 +154,7 @@ class Tracer:
         self._done: tuple | None = None       # the last finished iteration's raw record
 
     def begin(self) -> None:
-        self._wall, self._gpu, self.bytes, self._memory, self._last = [], [], {}, [], None
+        self._wall, self._gpu, self._waits, self.bytes, self._memory, self._last = [], [], [], {}, [], None
         self.t0 = time.perf_counter()
         self.base = None
         if self.cuda:
@@ -175,6 +177,11 @@ class Tracer:
     def wall(self, ins: Instr, start: float, end: float) -> None:
         self._wall.append((ins, start - self.t0, end - self.t0))   # list.append: safe from the CPU thread
 
+    def wait(self, recv: Instr, start: float, end: float) -> None:
+        """Time a rank spent waiting for a message from another rank (the CPU device): traced on a
+        ``wait`` stream, so that it is not taken for the executor's own work between instructions."""
+        self._waits.append((recv, start - self.t0, end - self.t0))
+
     def gpu(self, ins: Instr, start: "torch.cuda.Event", end: "torch.cuda.Event") -> None:
         self._gpu.append((ins, start, end))
 
@@ -182,16 +189,19 @@ class Tracer:
         """Keep the iteration's raw record (call after the device is synchronized). Rows are made from
         it by :meth:`result`, outside the timed iteration: formatting them every step cost a tiny
         model's CPU step about 3 %."""
-        self._done = (self._wall, self._gpu, self.bytes, self._memory, self.base)
+        self._done = (self._wall, self._gpu, self._waits, self.bytes, self._memory, self.base)
 
     def result(self) -> dict[str, list[tuple]]:
         """The last finished iteration's event rows in start order, and its memory steps (rank, time,
         bytes); empty before the first."""
         if self._done is None:
             return {}
-        wall, gpu, moved, memory, base = self._done
+        wall, gpu, waits, moved, memory, base = self._done
         times = wall + [(ins, base.elapsed_time(a) / 1e3, base.elapsed_time(b) / 1e3) for ins, a, b in gpu]
         rows = [self.row(ins, a, b, moved) for ins, a, b in times]
+        for ins, a, b in waits:
+            kind, pack, mb = trace_name(ins)
+            rows.append((self.rank, "wait", kind, f"wait {ins}", pack, mb, a, b, 0))
         ends = {ins.id: b for ins, _, b in times}
         steps = memory_steps(self.rank, [(ends.get(i, 0.0), change) for i, change in memory])
         return {"events": sorted(rows, key=lambda r: (r[6], r[7])), "memory": steps}
@@ -270,11 +280,13 @@ class Executor:
         self.buffers = [{n: b for n, b in layer.named_buffers()} for layer in layers]
         self.stochastic = [_stochastic(layer) for layer in layers]
         self.effects = [effects(x, self.R) for x in self.instrs]
+        self._recvs = {x.id: x for x in self.instrs if x.kind is Kind.RECV}   # what a wait on the CPU waits for
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cpu-optimizer-{rank}")
         self.kept: dict[tuple, PackGraph] = {}
         self.step = 0
         self._pending: dict[int, object] = {}
         self._sends: list = []
+        self._inline_out: tuple | None = None   # (swap-out of sA, bytes, seconds) of a forward copying in line
         self._loss = None
         self.times: list[float] = []
         self.moved = {"h2d": 0, "d2h": 0}     # bytes copied host->device and device->host, all iterations
@@ -311,6 +323,20 @@ class Executor:
         self.times.append(time.perf_counter() - t0)
         return loss
 
+    def _trace_wall(self, ins: Instr, start: float, end: float) -> None:
+        """Trace a CPU-device instruction (CPU steps time themselves). A forward that copied its saved
+        activations to the host in line is traced as the forward, then a swap-out of sA of the copies'
+        summed time: the work the simulator charges to each."""
+        inline, self._inline_out = self._inline_out, None
+        if inline is None:
+            self.tracer.wall(ins, start, end)
+            return
+        copies, out, secs = inline
+        split = max(start, end - secs)
+        self.tracer.bytes[ins.id] -= out
+        self.tracer.wall(ins, start, split)
+        self.tracer.wall(copies, split, end)
+
     def _execute(self, i: int, ins: Instr) -> None:
         e: Effects = self.effects[i]
         try:
@@ -327,7 +353,7 @@ class Executor:
                     made = handler(self, ins, e) or {}
                     self.tracer.bytes[ins.id] = sum(self.moved.values()) - moved
                     if not self.streams.cuda and self.tracer.timed(ins) and ins.stream is not Stream.CPU:
-                        self.tracer.wall(ins, t_start, time.perf_counter())   # CPU steps time themselves
+                        self._trace_wall(ins, t_start, time.perf_counter())
                 if stream is not None:
                     for k in e.reads + e.updates:
                         for t in _tensors(self.table.values.get(k)):
@@ -355,7 +381,12 @@ class Executor:
         if isinstance(got, Future):
             got.result()
         elif got is not None:
+            if self.tracer is None or self.streams.cuda:
+                got.wait()
+                return
+            start = time.perf_counter()
             got.wait()
+            self.tracer.wait(self._recvs[dep], start, time.perf_counter())
 
     def _finish(self) -> float:
         for dep in list(self._pending):
@@ -557,10 +588,13 @@ class Executor:
         graph = PackGraph(y, [leaf] + weights, names, saved=hooks.saved, copied=hooks.copied())
         out = sum(nbytes(s.host) for s in hooks.saved)
         self.moved["d2h"] += out
+        copies = ins.replace(id=-1 - ins.id, kind=Kind.SWAP_OUT, stream=Stream.SWAP_OUT)
         if hooks.started is not None and graph.copied is not None:     # traced as a swap-out of sA
-            copies = ins.replace(id=-1 - ins.id, kind=Kind.SWAP_OUT, stream=Stream.SWAP_OUT)
             self.tracer.bytes[copies.id] = out
             self.tracer.gpu(copies, hooks.started, graph.copied)
+        elif hooks.inline_s:        # copied in line: traced as a swap-out of sA after the forward
+            self.tracer.bytes[copies.id] = out
+            self._inline_out = (copies, out, hooks.inline_s)
         hooks.graph = graph
         if leaf.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
             leaf.untyped_storage().resize_(0)

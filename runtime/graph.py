@@ -23,6 +23,8 @@ gradients for them.
 """
 from __future__ import annotations
 
+import time
+
 from typing import Callable
 
 import torch
@@ -114,6 +116,7 @@ class Offload:
         self.out_stream = out_stream    # CUDA: where the copies to the host run (None: in line)
         self.timed = timed              # record when the copies start (``started``) for a trace
         self.started: torch.cuda.Event | None = None
+        self.inline_s = 0.0             # traced copies run in line (the CPU device): their summed seconds
         self.saved: list[_Saved] = []
         self.graph: PackGraph | None = None
 
@@ -131,7 +134,12 @@ class Offload:
         """The host copy of ``t``: on the CUDA swap-out stream once what computed ``t`` is done, so
         the forward does not wait for it; ``t``'s memory is reused only after the copy read it."""
         if self.out_stream is None or not t.is_cuda:
-            return host_copy(t)
+            if not self.timed:
+                return host_copy(t)
+            start = time.perf_counter()
+            host = host_copy(t)
+            self.inline_s += time.perf_counter() - start
+            return host
         self.out_stream.wait_stream(torch.cuda.current_stream(t.device))
         if self.timed and self.started is None:
             self.started = torch.cuda.Event(enable_timing=True)

@@ -322,14 +322,14 @@ def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int
     docstring): a forward pack starting at b, the criterion pack [b, R-1], a backward pack ending at
     b - 1 (its dY; the task of a stashed pack adds its saved activations' first transfer)."""
     copies, bw_in, bw_out, p2p = link_rates(hw, cfg)
-    lat_in, lat_out = hw.h2d_latency_s, hw.d2h_latency_s
+    lat_in, lat_out, lat_p2p = hw.h2d_latency_s, hw.d2h_latency_s, hw.p2p_latency_s
     # a round trip through host memory: the replica served last waits for every replica's way out,
     # but by then the others' ways back are done, so its own way back runs alone
     bw_back = bw_in * copies
 
     def handoff(x):
         """Latency of moving one microbatch's activation to the next task (on another GPU if p2p)."""
-        return x / p2p if p2p > 0 else x / bw_out + lat_out + x / bw_back + lat_in
+        return x / p2p + lat_p2p if p2p > 0 else x / bw_out + lat_out + x / bw_back + lat_in
     R = profile.num_layers
     b = np.arange(R)
     x_f = profile.costs("FWD", uf_list[0]).input[:R]
@@ -338,7 +338,7 @@ def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int
     rebatch = cfg.u_fwd != cfg.u_bwd
     hf = np.where(b == 0, x_f / bw_in + lat_in, handoff(x_f))
     hc = np.where(b == 0, x_b / bw_in + lat_in,
-                  y_src / bw_out + lat_out + x_b / bw_back + lat_in if (rebatch or p2p == 0) else y_src / p2p)
+                  y_src / bw_out + lat_out + x_b / bw_back + lat_in if (rebatch or p2p == 0) else y_src / p2p + lat_p2p)
     hb = np.zeros(R) if pin_b else handoff(x_b)
     return hf, hc, hb
 
@@ -356,7 +356,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     ``per_start`` packs per start boundary, the longest."""
     R = profile.num_layers
     profile = profile.with_compute_scale(hw.compute_scale)
-    issue, lat_in, lat_out = hw.issue_overhead_s, hw.h2d_latency_s, hw.d2h_latency_s
+    issue, lat_in, lat_out, lat_p2p = hw.issue_overhead_s, hw.h2d_latency_s, hw.d2h_latency_s, hw.p2p_latency_s
     serial = not hw.copy_overlap
     cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
     shares = [batch] if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)
@@ -379,13 +379,13 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
 
     def send(x):
         """Time until the sender is rid of an output: P2P, or its swap-out to host."""
-        return x / p2p if p2p > 0 else x / bw_out + lat_out
+        return x / p2p + lat_p2p if p2p > 0 else x / bw_out + lat_out
 
-    def moves(h2d, d2h, h2d_n, d2h_n, p2p_bytes, ard=0.0):
+    def moves(h2d, d2h, h2d_n, d2h_n, p2p_bytes, p2p_n, ard=0.0):
         """Without copy/compute overlap: the time a task's transfers take on its rank, each at its full
         bandwidth (the module docstring)."""
         return h2d / hw.h2d_bandwidth + d2h / hw.d2h_bandwidth + h2d_n * lat_in + d2h_n * lat_out + \
-            (p2p_bytes / p2p if p2p > 0 else 0.0) + ard
+            (p2p_bytes / p2p + p2p_n * lat_p2p if p2p > 0 else 0.0) + ard
 
     parts = []
     # ---- forward packs over 0 .. R-2 (the criterion pack holds R-1)
@@ -404,7 +404,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     f_d2h_n = np.full(len(fs), mf * via_host)
     f_load = total("FWD", uf_list, lambda c: c.pack_time(fs, fe)) + mf * issue
     if serial:
-        f_load = f_load + moves(f_h2d, f_d2h, f_h2d_n, f_d2h_n, np.where(via_host, 0, y_all))
+        f_load = f_load + moves(f_h2d, f_d2h, f_h2d_n, f_d2h_n, np.where(via_host, 0, y_all), mf)
 
     def buffers(phase, at):
         """Bytes of the activations at layer boundaries ``at`` of every sample (host buffers)."""
@@ -481,9 +481,10 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
             (mb if kind == B and not pin_b and via_host else 0)
         d2h_n = 1 + (mf if kind == B else 0) + np.where((s > 0) & via_host & (not pin_b), mb, 0)
         if serial:            # (a stashed pack's saved activations coming in are in its steps already)
+            p2p_dx = (s > 0) & (not via_host) & (not pin_b)
             stepped = 0 if recompute else stash_in
             load = load + moves(h2d - stepped, d2h, h2d_n - (0 if recompute else mb), d2h_n,
-                                np.where((s > 0) & (not via_host) & (not pin_b), dx_all, 0), ard)
+                                np.where(p2p_dx, dx_all, 0), np.where(p2p_dx, mb, 0), ard)
         # host buffers: dX handed on through host memory; the stashed input (layer 0's is the data) or
         # saved activations; the loss pack's: the data, or its input re-batched through host memory
         host = np.where((s > 0) & via_host & (not pin_b), buffers("BWD", s), 0)

@@ -165,7 +165,8 @@ def test_every_bound_is_below_the_optimum_of_its_model(R, seed, fwd, bwd, gpus, 
 #: bound from the profile's times alone would pass the plans
 TERMS = st.fixed_dictionaries({
     "copy_overlap": st.booleans(), "h2d_latency_s": st.sampled_from([0.0, 2e-5, 1e-3]),
-    "d2h_latency_s": st.sampled_from([0.0, 2e-5, 1e-3]), "compute_scale": st.sampled_from([0.2, 0.6, 1.0, 3.0]),
+    "d2h_latency_s": st.sampled_from([0.0, 2e-5, 1e-3]), "p2p_latency_s": st.sampled_from([0.0, 1e-3]),
+    "compute_scale": st.sampled_from([0.2, 0.6, 1.0, 3.0]),
     "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3, 2e-2]), "issue_overhead_s": st.sampled_from([0.0, 5e-5, 2e-3]),
     "collective_bandwidth": st.sampled_from([None, 1e8, 1e11])})
 

@@ -272,3 +272,36 @@ def test_closing_the_step_recovers_a_fixed_cost_no_event_shows():
     assert min(getattr(got, f) for f in GAP_FIELDS) == 0 and shift == -5e-6 and "as far as they go" in note
     assert close_step(plan, prof, base, fast * (1 + CLOSE_TOLERANCE / 2)) == (base, 0.0, "")
 
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_two_rank_cpu_run_is_simulated_on_its_own_route_and_calibrates(tiny):
+    """On the CPU device two ranks hand activations to each other by Gloo send (probe sets
+    ``p2p_bandwidth``), and a kept graph's saved activations are copied to the host in line with its
+    forward (traced as a swap-out of sA): the simulation has the same kinds of work as the run, so a
+    pipeline of two ranks calibrates, and the step closes with the sends' fixed cost shifted too."""
+    from harmony_opt.compile.program import Kind
+    from harmony_opt.core.profile import Profile
+    from harmony_opt.measure.models import build_model
+    from harmony_opt.training import train
+    profile = Profile.load(tiny / "prof")
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(2), copy_overlap=False, p2p_bandwidth=3e9,
+                             p2p_latency_s=80e-6, gpu_memory_bytes=1 << 30)
+    # the forward pack [0, 3] runs on rank 0, the loss pack [4, 7] on rank 1, the backward pack [0, 3]
+    # on rank 0 again, where it keeps its forward's graph
+    plan = Plan("t", "vPP", 2, 4, 2, 2, [(0, 3)], [(0, 3), (4, 7)], 8,
+                options=(PackOptions(recompute=False), PackOptions()), hardware=hw.to_dict())
+    sim = simulate(plan, profile, hw).events
+    assert {"Y", "dX"} <= set(sim[sim.stream == "p2p"].kind)
+    assert not sim[(sim.stream == "swap_out") & sim.kind.isin(["Y", "dX"])].shape[0]
+    res = train(build_model("gpt2-tiny"), plan, steps=3, progress=False, trace=True)
+    measured = res.timeline()
+    ev = measured.events
+    assert ((ev.stream == "swap_out") & (ev.kind == "sA")).sum() == 2
+    # each rank's waits for the other's messages are traced apart: not the executor's own work (idle time)
+    recvs = sum(x.kind is Kind.RECV for ins in res.program.ranks for x in ins)
+    assert (ev.stream == "wait").sum() == recvs and set(ev[ev.stream == "wait"].kind) <= {"X", "Y", "dX", "dY"}
+    cal = calibrate(plan, profile, hw, measured)
+    got = cal.hardware
+    assert got.p2p_bandwidth == hw.p2p_bandwidth
+    assert got.p2p_latency_s == pytest.approx(hw.p2p_latency_s + cal.iteration["shift"], rel=1e-9, abs=1e-12)

@@ -11,7 +11,7 @@ from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.units import KiB
 from harmony_opt.measure.probe import (
     call_cost, fit_linear, latency_bandwidth, measure_collective, measure_cpu_optimizer, measure_issue_overhead,
-    measure_transfers, probe_hardware, transfer_fit)
+    measure_p2p, measure_transfers, probe_hardware, transfer_fit)
 
 # one intra-op thread for every test here (conftest.one_thread): no spin-waiting collapse on a busy machine
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,6 +79,15 @@ def test_issue_overhead_and_collective_are_sane():
     assert bw is None or bw > 1e6
 
 
+def test_a_gloo_send_costs_a_latency_and_bytes_over_a_bandwidth():
+    fit = measure_p2p((1 << 20, 8 << 20), repeats=3)
+    if fit is None:
+        pytest.skip("Gloo is not available")
+    latency, bandwidth = latency_bandwidth(fit)
+    assert len(fit.points) == 3 and 1e7 < bandwidth < 1e12 and 0 <= latency < 0.01
+    assert fit.predict(8 << 20) > fit.predict(4096)
+
+
 def test_probed_cpu_hardware_has_the_new_terms(tmp_path):
     hw = probe_hardware("cpu", sizes=(16 * KiB, 256 * KiB), repeats=2)
     assert hw.copy_overlap is False
@@ -86,6 +95,8 @@ def test_probed_cpu_hardware_has_the_new_terms(tmp_path):
     assert hw.cpu_optimizer_call_s > 0
     assert hw.compute_scale == 1.0 and hw.cpu_optimizer_scale == 1.0
     assert hw.collective_bandwidth is None or hw.collective_bandwidth > 0
+    # activations between ranks go by Gloo send, the executor's route, not through host memory
+    assert hw.p2p_bandwidth > 0 and hw.p2p_latency_s >= 0 and "Gloo send" in hw.description
     assert "per call" in hw.description and "us + bytes /" in hw.description
     assert Hardware.load(hw.save(tmp_path / "hw.toml")) == hw
 

@@ -407,6 +407,17 @@ def test_a_stashed_pack_issues_one_instruction_per_microbatch_and_a_gpu_step_one
         assert dur(b, q) - dur(a, q) == pytest.approx(n * issue, rel=1e-9), q
 
 
+def test_each_send_between_gpus_pays_the_p2p_latency():
+    """A vPP plan on two GPUs hands Y and dX over the GPU link: each send lasts p2p_latency_s more."""
+    prof = synthetic_profile(R=4)
+    hw = get_hardware("1080ti-x4").with_gpus(2)
+    plan = Plan("t", "vPP", 2, 8, 2, 2, [(0, 1)], [(0, 1), (2, 3)], 4)
+    a = simulate(plan, prof, hw).events.query("stream == 'p2p'")
+    b = simulate(plan, prof, dataclasses.replace(hw, p2p_latency_s=1e-3)).events.query("stream == 'p2p'")
+    assert len(a) == len(b) > 0
+    assert list(b.end - b.start) == pytest.approx(list(a.end - a.start + 1e-3), rel=1e-9)
+
+
 def test_the_all_reduce_runs_at_the_collective_bandwidth():
     prof = synthetic_profile(R=4)
     hw = get_hardware("1080ti-x4").with_gpus(2)
@@ -438,7 +449,7 @@ def test_without_copy_overlap_a_rank_runs_one_event_at_a_time(case):
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(plans(), st.fixed_dictionaries({
     "copy_overlap": st.booleans(), "h2d_latency_s": st.sampled_from([0.0, 1e-4]), "d2h_latency_s": st.sampled_from([0.0, 1e-4]),
-    "compute_scale": st.sampled_from([0.01, 0.5, 1.0, 2.0]), "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3]),
+    "p2p_latency_s": st.sampled_from([0.0, 1e-4]), "compute_scale": st.sampled_from([0.01, 0.5, 1.0, 2.0]), "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3]),
     "issue_overhead_s": st.sampled_from([0.0, 1e-4, 1e-3]), "collective_bandwidth": st.sampled_from([None, 1e8])}),
     st.floats(0.3, 1.0), st.sampled_from([1.0, 100.0]))
 def test_the_lower_bound_holds_with_the_hardwares_execution_terms(case, terms, frac, slow):

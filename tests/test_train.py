@@ -13,6 +13,7 @@ from harmony_opt.compile.compiler import compile_plan
 from harmony_opt.measure.decompose import ClassificationLoss, LayeredModel
 from harmony_opt.core.errors import DataError, PlanError, ProgramError, UsageError
 from harmony_opt.compile.program import Kind
+from harmony_opt.core.kinds import Tensor
 from harmony_opt.core.plan import PackOptions, Plan
 from harmony_opt.training import batch_seed, train
 
@@ -307,7 +308,16 @@ def test_trace_times_every_instruction_of_the_last_step():
     tl = res.timeline()
     ev = tl.events
     timed = [x for x in res.program.ranks[0] if x.kind is not Kind.FREE]
-    assert len(ev) == len(timed) and set(ev.task) == {str(x) for x in timed}
+    kept = [x for x in timed if x.kind is Kind.FWD and x.tensor is Tensor.SA]
+    copies = ev[(ev.stream == "swap_out") & (ev.kind == "sA")]
+    assert kept and len(ev) == len(timed) + len(kept) and set(ev.task) - set(copies.task) == {str(x) for x in timed}
+    # a forward that keeps its graph copies the saved activations to the host in line: traced as the
+    # forward, then a swap-out of sA of the copies' time, carrying their bytes (as the simulator has them)
+    for x in kept:
+        fwd = ev[ev.task == str(x)]
+        out = copies[(copies.pack == fwd.pack.iloc[0]) & (copies.microbatch == fwd.microbatch.iloc[0])]
+        assert len(fwd) == len(out) == 1
+        assert out.start.iloc[0] == fwd.end.iloc[0] and out.bytes.iloc[0] > 0 and fwd.bytes.iloc[0] == 0
     assert (ev.end >= ev.start).all() and (ev.start >= 0).all() and ev.end.max() <= tl.iteration_time
     # the bytes each instruction copied (a stashing forward too), summed: the step's share of the count
     assert ev.bytes.sum() == (res.bytes_moved[0]["h2d"] + res.bytes_moved[0]["d2h"]) / 2

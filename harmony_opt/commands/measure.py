@@ -91,7 +91,9 @@ def _probe(args):
     written(hw.save, path, f"the hardware file {path}")
     print(f"wrote {path}: {hw.name}, {hw.gpus} device(s) of {fmt_bytes(hw.gpu_memory_bytes)} usable, "
           f"host->device {hw.h2d_latency_s * 1e6:.0f} us + {hw.h2d_bandwidth / 1e9:.1f} GB/s, device->host "
-          f"{hw.d2h_latency_s * 1e6:.0f} us + {hw.d2h_bandwidth / 1e9:.1f} GB/s, CPU optimizer "
+          f"{hw.d2h_latency_s * 1e6:.0f} us + {hw.d2h_bandwidth / 1e9:.1f} GB/s, "
+          + (f"rank to rank {hw.p2p_latency_s * 1e6:.0f} us + {hw.p2p_bandwidth / 1e9:.1f} GB/s, "
+             if hw.p2p_bandwidth > 0 else "") + f"CPU optimizer "
           f"{hw.cpu_optimizer_call_s * 1e6:.0f} us per call, {hw.issue_overhead_s * 1e6:.0f} us per compute "
           f"instruction, copies {'beside' if hw.copy_overlap else 'in line with'} compute")
 

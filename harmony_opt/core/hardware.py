@@ -58,6 +58,7 @@ class Hardware:
     copy_overlap: bool = True        # copies and GPU<->GPU transfers run beside compute (False: one at a time)
     h2d_latency_s: float = 0.0       # fixed seconds per host -> GPU transfer, on top of bytes / bandwidth
     d2h_latency_s: float = 0.0       # fixed seconds per GPU -> host transfer
+    p2p_latency_s: float = 0.0       # fixed seconds per GPU -> GPU transfer (an activation handed between ranks)
     compute_scale: float = 1.0       # multiplies the profile's forward, backward and recompute times
     cpu_optimizer_call_s: float = 0.0   # fixed seconds per CPU optimizer step (one per backward pack and rank)
     issue_overhead_s: float = 0.0    # fixed seconds per compute instruction (forward, recompute, backward, GPU step)
@@ -86,7 +87,7 @@ class Hardware:
             raise HardwareError(f"{where}: cpu_optimizer_scale must be positive")
         if not isinstance(self.copy_overlap, bool):
             raise HardwareError(f"{where}: copy_overlap must be true or false, got {self.copy_overlap!r}")
-        for f in ("h2d_latency_s", "d2h_latency_s", "cpu_optimizer_call_s", "issue_overhead_s"):
+        for f in ("h2d_latency_s", "d2h_latency_s", "p2p_latency_s", "cpu_optimizer_call_s", "issue_overhead_s"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise HardwareError(f"{where}: {f} must be a finite number of seconds >= 0, got {v!r}")
@@ -226,7 +227,7 @@ class Hardware:
                 raise HardwareError(f"{source}: {e}") from None
         for k in ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                   "cpu_optimizer_scale", "gpu_optimizer_bandwidth", "h2d_latency_s", "d2h_latency_s",
-                  "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth",
+                  "p2p_latency_s", "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth",
                   "network_bandwidth"):
             if kw.get(k) is not None and (isinstance(kw[k], bool) or not isinstance(kw[k], (int, float))):
                 unit = "seconds" if k.endswith("_s") else "a factor" if k.endswith("scale") else "bytes/s"
@@ -259,8 +260,9 @@ class Hardware:
 
 #: The execution terms and their neutral defaults (Hardware's fields of the same names)
 EXECUTION_TERMS: dict = {f.name: f.default for f in dataclasses.fields(Hardware)
-                         if f.name in ("copy_overlap", "h2d_latency_s", "d2h_latency_s", "compute_scale",
-                                       "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth")}
+                         if f.name in ("copy_overlap", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s",
+                                       "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s",
+                                       "collective_bandwidth")}
 
 
 PRESETS: dict[str, Hardware] = {

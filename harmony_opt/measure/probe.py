@@ -55,6 +55,11 @@ predicts a run before any calibration:
   second process would take seconds to import torch). With two ranks the simulator's ring charge
   2 (n - 1) / n x bytes is the bytes. On CUDA it is left None (the simulator then uses
   ``p2p_bandwidth``): NCCL needs a process per GPU.
+* ``p2p_bandwidth`` and ``p2p_latency_s`` on the CPU device: a Gloo send between the same two ranks to a
+  receive posted before it, the way the executor hands an activation to another rank, fitted as
+  latency + bytes / bandwidth over 4 KiB to 16 MiB (on a 2-core VM about 80 us + bytes / 3 GB/s).
+  So a plan of several ranks is simulated with the executor's route: rank to rank, not through host
+  memory. Without Gloo it stays 0 and such plans are priced through host memory.
 * with several GPUs, the same copy to every GPU at once gives the total the shared host link
   carries (``link_bandwidth``), and a copy from GPU 0 to GPU 1 ``p2p_bandwidth`` (best over sizes).
 * usable GPU memory: the smallest free memory over the GPUs at probe time, less 5% for the
@@ -149,17 +154,24 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
              f"per compute instruction {issue * 1e6:.0f} us beyond the profiled kernels")
     if dev.type == "cpu":
         collective = measure_collective(sizes, repeats)
+        handoff = measure_p2p(sizes, repeats)
+        p2p_lat, p2p = latency_bandwidth(handoff) if handoff is not None else (0.0, 0.0)
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         name = device_name(dev)
         gloo = ("Gloo all-reduce between 2 ranks on loopback: not measured" if collective is None else
                 f"Gloo all-reduce between 2 ranks on loopback {collective / GB:.2f} GB/s")
+        gloo += ("; Gloo send between 2 ranks: not measured (activations between ranks priced through host "
+                 "memory)" if handoff is None else
+                 f"; Gloo send between 2 ranks {p2p_lat * 1e6:.0f} us + bytes / {p2p / GB:.2f} GB/s "
+                 f"(worst point {handoff.worst:.0%} off)")
         return Hardware(
             name=f"probed-cpu-{_slug(name)}", gpus=1, gpu_memory_bytes=max(avail // 2, 1),
             host_memory_bytes=host_total, pinned_memory_bytes=int(host_total * PINNABLE),
             h2d_bandwidth=h2d, d2h_bandwidth=d2h, shared_host_link=True, link_bandwidth=max(h2d, d2h),
-            p2p_bandwidth=0.0, host_copy_bandwidth=host_copy,
+            p2p_bandwidth=p2p, host_copy_bandwidth=host_copy,
             gpu_optimizer_bandwidth=_optimizer_bandwidth(dev, _OPTIMIZER_PARAMS),
-            copy_overlap=False, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, cpu_optimizer_call_s=call,
+            copy_overlap=False, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, p2p_latency_s=p2p_lat,
+            cpu_optimizer_call_s=call,
             issue_overhead_s=issue, collective_bandwidth=collective,
             description=(f"probed {when} on {name} WITHOUT a GPU: the device is the CPU, host<->device transfers "
                          f"are the executor's CPU swaps (a new tensor and a memcpy per parameter), run in "
@@ -512,16 +524,15 @@ def measure_copy_overlap(dev: torch.device, repeats: int = 5, nbytes: int = 64 *
     return together < OVERLAP_SHARE * alone, together / alone
 
 
-def measure_collective(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: float = 2.0) -> float | None:
-    """Bytes / seconds of a Gloo all-reduce of one float tensor between two ranks on loopback, at the largest
-    of ``sizes`` up to 16 MiB; None where Gloo is missing or takes over ``setup_limit_s`` to set up."""
+def _gloo_pair(setup_limit_s: float):
+    """Two Gloo process groups of one two-rank world, in two threads of this process; None where Gloo
+    is missing or takes over ``setup_limit_s`` to set up."""
     import torch.distributed as dist
     from datetime import timedelta
 
     if not dist.is_available() or not hasattr(dist, "ProcessGroupGloo"):
         return None
-    nbytes = max(4, min(max(sizes), _COLLECTIVE_MAX))
-    store, groups, times = dist.HashStore(), [None, None], [float("inf"), float("inf")]
+    store, groups = dist.HashStore(), [None, None]
     t0 = time.perf_counter()
 
     def make(rank):
@@ -529,6 +540,17 @@ def measure_collective(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: 
 
     if not _both(make, setup_limit_s + 10) or time.perf_counter() - t0 > setup_limit_s:
         return None
+    return groups
+
+
+def measure_collective(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: float = 2.0) -> float | None:
+    """Bytes / seconds of a Gloo all-reduce of one float tensor between two ranks on loopback, at the largest
+    of ``sizes`` up to 16 MiB; None where Gloo is missing or takes over ``setup_limit_s`` to set up."""
+    groups = _gloo_pair(setup_limit_s)
+    if groups is None:
+        return None
+    nbytes = max(4, min(max(sizes), _COLLECTIVE_MAX))
+    times = [float("inf"), float("inf")]
     buffers = [torch.ones(nbytes // 4) for _ in range(2)]
 
     def run(rank):
@@ -541,6 +563,38 @@ def measure_collective(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: 
     if not _both(run, 60):
         return None
     return (nbytes // 4) * 4 / max(times)
+
+
+def measure_p2p(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: float = 2.0) -> Fit | None:
+    """seconds = latency + bytes / bandwidth of a Gloo send to a receive posted before it, between two
+    ranks on loopback (what ``runtime.comm`` does with an activation handed to another rank on the CPU
+    device), fitted over 4 KiB and ``sizes`` up to 16 MiB, each the fastest of ``repeats`` after a
+    warm-up; None where Gloo is missing or slow to set up."""
+    groups = _gloo_pair(setup_limit_s)
+    if groups is None:
+        return None
+    points = []
+    for nbytes in sorted({4 * KiB, *(max(4, min(s, _COLLECTIVE_MAX)) for s in sizes)}):
+        src, dst, best = torch.ones(nbytes // 4), torch.empty(nbytes // 4), [float("inf")]
+        ready = [threading.Event() for _ in range(repeats + 1)]
+
+        def run(rank):
+            for i in range(repeats + 1):
+                if rank == 1:
+                    work = groups[1].recv([dst], 0, i)
+                    ready[i].set()
+                    start = time.perf_counter()
+                    work.wait()
+                    if i:
+                        best[0] = min(best[0], time.perf_counter() - start)
+                else:
+                    ready[i].wait(10)
+                    groups[0].send([src], 1, i).wait()
+
+        if not _both(run, 60):
+            return None
+        points.append((nbytes, best[0]))
+    return fit_linear([b for b, _ in points], [t for _, t in points])
 
 
 def _both(fn, timeout: float) -> bool:

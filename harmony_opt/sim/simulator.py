@@ -19,8 +19,8 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
   between the hosts on the sender's ``net`` stream, and vDP's all-reduce is hierarchical
   (``Hardware.allreduce_time``);
 * the hardware's execution terms (docs/cost_model.md): a compute event lasts ``compute_scale`` times
-  its profiled time plus ``issue_overhead_s`` per instruction the executor issues for it, a swap-in
-  or swap-out its latency plus bytes / bandwidth, a CPU step its profiled time plus
+  its profiled time plus ``issue_overhead_s`` per instruction the executor issues for it, a swap-in,
+  swap-out or GPU-to-GPU send its latency plus bytes / bandwidth, a CPU step its profiled time plus
   ``cpu_optimizer_call_s``; without ``copy_overlap`` (the CPU device) a rank's compute, swap and
   P2P events run one at a time (one "engine" per rank), its CPU optimizer steps beside them;
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
@@ -190,8 +190,8 @@ class Expansion:
     def p2p(self, rank, kind, node, mb, nbytes, deps, peer):
         """Send an activation to another GPU over the GPU link, or the network to another server (on the
         sender's p2p stream)."""
-        eid = self.add(rank, "p2p", kind, node, mb, nbytes / self.hw.gpu_bandwidth(rank, peer.rank), nbytes, deps,
-                       peer=peer)
+        eid = self.add(rank, "p2p", kind, node, mb,
+                       nbytes / self.hw.gpu_bandwidth(rank, peer.rank) + self.hw.p2p_latency_s, nbytes, deps, peer=peer)
         if self.spans and self.hw.server_of(rank) != self.hw.server_of(peer.rank):
             self.events[eid].net = int(nbytes)
         return eid
