@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from harmony_opt import get_hardware
-from harmony_opt.calibrate import (CLOSE_TOLERANCE, GAP_FIELDS, busy_by_work, calibrate, close_step, fit_hardware,
-                                   idle_time, neutral, work_of)
+from harmony_opt.calibrate import (CLOSE_TOLERANCE, busy_by_work, calibrate, close_step, fit_hardware,
+                                   idle_time, neutral, scaled, work_of)
 from harmony_opt.cli import main
 from harmony_opt.core.errors import UsageError
 from harmony_opt.core.hardware import Hardware
@@ -255,23 +255,24 @@ def test_time_between_instructions_goes_into_each_fixed_cost_on_a_serial_device(
     assert any("between consecutive instructions" in n for n in serial.notes)
 
 
-def test_closing_the_step_recovers_a_fixed_cost_no_event_shows():
-    """What the per-event fit leaves of the step is spread over every instruction's fixed cost, by one
-    shift solved on the step time: up, down, to zero at most, and not at all where the step matches."""
+def test_closing_the_step_recovers_a_machine_uniformly_slower():
+    """A machine that ran every kind of work 1.3x slower than fitted (a shared machine's drift between
+    the traced step and the others) is recovered by one factor on every time term, solved on the
+    step time; the fitted terms keep their proportions, and where the step matches nothing changes."""
     prof, plan = synthetic_profile(R=8), _plan()
     base = dataclasses.replace(HW.with_gpus(1), copy_overlap=False, issue_overhead_s=20e-6, h2d_latency_s=10e-6,
-                               d2h_latency_s=5e-6)
-    true = dataclasses.replace(base, **{f: getattr(base, f) + 30e-6 for f in GAP_FIELDS})
+                               d2h_latency_s=5e-6, cpu_optimizer_call_s=1e-4)
+    true = scaled(base, 1.3)
+    assert true.compute_scale == pytest.approx(1.3) and true.h2d_bandwidth == pytest.approx(base.h2d_bandwidth / 1.3)
     slow, fast = (simulate(plan, prof, h).iteration_time for h in (true, base))
-    got, shift, note = close_step(plan, prof, base, slow)
-    assert shift == pytest.approx(30e-6, rel=1e-3) and "shifted by +30.0 us" in note
+    assert slow == pytest.approx(1.3 * fast, rel=1e-9)       # every duration stretched: the same schedule
+    got, factor, note = close_step(plan, prof, base, slow)
+    assert factor == pytest.approx(1.3, rel=1e-6) and "scaled by 1.3000" in note
+    assert got.issue_overhead_s == pytest.approx(26e-6) and got.d2h_bandwidth == pytest.approx(true.d2h_bandwidth)
     _close(simulate(plan, prof, got).iteration_time, slow)
-    got, shift, _ = close_step(plan, prof, true, fast)
-    assert shift == pytest.approx(-30e-6, rel=1e-3)
-    got, shift, note = close_step(plan, prof, base, fast / 100)
-    assert min(getattr(got, f) for f in GAP_FIELDS) == 0 and shift == -5e-6 and "as far as they go" in note
-    assert close_step(plan, prof, base, fast * (1 + CLOSE_TOLERANCE / 2)) == (base, 0.0, "")
-
+    got, factor, _ = close_step(plan, prof, true, fast)
+    assert factor == pytest.approx(1 / 1.3, rel=1e-6)
+    assert close_step(plan, prof, base, fast * (1 + CLOSE_TOLERANCE / 2)) == (base, 1.0, "")
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -279,7 +280,7 @@ def test_a_two_rank_cpu_run_is_simulated_on_its_own_route_and_calibrates(tiny):
     """On the CPU device two ranks hand activations to each other by Gloo send (probe sets
     ``p2p_bandwidth``), and a kept graph's saved activations are copied to the host in line with its
     forward (traced as a swap-out of sA): the simulation has the same kinds of work as the run, so a
-    pipeline of two ranks calibrates, and the step closes with the sends' fixed cost shifted too."""
+    pipeline of two ranks calibrates, and the step closes with the sends scaled too."""
     from harmony_opt.compile.program import Kind
     from harmony_opt.core.profile import Profile
     from harmony_opt.measure.models import build_model
@@ -303,5 +304,6 @@ def test_a_two_rank_cpu_run_is_simulated_on_its_own_route_and_calibrates(tiny):
     assert (ev.stream == "wait").sum() == recvs and set(ev[ev.stream == "wait"].kind) <= {"X", "Y", "dX", "dY"}
     cal = calibrate(plan, profile, hw, measured)
     got = cal.hardware
-    assert got.p2p_bandwidth == hw.p2p_bandwidth
-    assert got.p2p_latency_s == pytest.approx(hw.p2p_latency_s + cal.iteration["shift"], rel=1e-9, abs=1e-12)
+    factor = cal.iteration["scale"]
+    assert got.p2p_bandwidth == pytest.approx(hw.p2p_bandwidth / factor)
+    assert got.p2p_latency_s == pytest.approx(hw.p2p_latency_s * factor)

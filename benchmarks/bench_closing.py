@@ -1,0 +1,138 @@
+"""Benchmark: how ``calibrate`` should close the fitted step, judged on the same measurements.
+
+The per-event fit prices one traced step; the step time it is closed on is the median of the other
+steps. Three ways to close the rest, each applied to the same fit and judged on the same measured
+plans (``bench_fidelity.py``'s models, caps and planners, runs interleaved the same way):
+
+* ``scale``: every time term times one factor (``calibrate.close_step``, what ``calibrate`` does);
+* ``shift``: every instruction's fixed cost plus one amount, none below 0 (the method before);
+* ``none``: the fit alone.
+
+Reported: per closing, the plans within 10 % and 15 % of their measured step, the worst error, and
+per case the spread (largest over smallest measured / simulated).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_closing.py     # writes benchmarks/results/closing.{csv,md}
+
+Run it on a quiet machine: every figure is a wall-clock time.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import bench_fidelity as bf
+from harmony_opt.calibrate import GAP_FIELDS, calibrate, close_step
+from harmony_opt.core.io import write_results
+from harmony_opt.measure.models import build_model
+from harmony_opt.measure.probe import probe_hardware
+from harmony_opt.measure.profiler import profile_model
+from harmony_opt.report import machine_description, markdown_table
+from harmony_opt.sim.simulator import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shift_close(plan, profile, hardware, target):
+    """Every instruction's fixed cost (``GAP_FIELDS``) plus one amount, solved by bisection so that
+    ``plan`` simulates to ``target``, no fixed cost below 0."""
+    def shifted(d):
+        return dataclasses.replace(hardware, **{f: getattr(hardware, f) + d for f in GAP_FIELDS})
+
+    def step(d):
+        return simulate(plan, profile, shifted(d), with_timeline=False).iteration_time
+    lo, hi = -min(getattr(hardware, f) for f in GAP_FIELDS), 0.0
+    if step(0.0) < target:
+        lo, hi = 0.0, 1e-6
+        while step(hi) < target and hi < target:
+            lo, hi = hi, hi * 2
+    elif step(lo) > target:
+        return shifted(lo)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
+    return shifted((lo + hi) / 2)
+
+
+CLOSINGS = {"scale": lambda plan, profile, hw, t: close_step(plan, profile, hw, t)[0],
+            "shift": shift_close,
+            "none": lambda plan, profile, hw, t: hw}
+
+
+def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -> list[dict]:
+    model = build_model(model_name, **overrides)
+    least = max(profile.costs("BWD", 1).pack_memory(i, i) for i in range(profile.num_layers))
+    cap = int(least * factor)
+    base = bf.make_plans(profile, hw, cap).get(bf.CALIBRATE_ON)
+    if base is None:
+        return []
+    t, trace = bf.measured_in_rounds(model, {bf.CALIBRATE_ON: base}, steps, rounds)
+    # the per-event fit alone: calibrate's own closing undone by closing on the fit's own step
+    cal = calibrate(base, profile, hw, trace[bf.CALIBRATE_ON], step_time=t[bf.CALIBRATE_ON])
+    fit = cal.hardware if cal.iteration["scale"] == 1.0 else \
+        close_step(base, profile, cal.hardware, cal.iteration["fitted"])[0]
+    plans = bf.make_plans(profile, cal.hardware, cap)
+    measured, _ = bf.measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds)
+    again = measured.pop("calibrated on")
+    # as bench_fidelity: closed on the calibrated-on plan's median in the rounds of the plans judged
+    hws = {name: fn(base, profile, fn(base, profile, fit, t[bf.CALIBRATE_ON]), again) for name, fn in CLOSINGS.items()}
+    rows = []
+    for name, plan in plans.items():
+        row = dict(model=label, cap=cap, cap_factor=factor, planner=name, measured_s=measured[name])
+        for closing, h in hws.items():
+            row[closing] = measured[name] / simulate(plan, profile, h, with_timeline=False).iteration_time
+        print(f"  {label} {factor}x {name:24s} " + " ".join(f"{k} {row[k]:.3f}" for k in CLOSINGS), flush=True)
+        rows.append(row)
+    return rows
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    out = []
+    for closing in CLOSINGS:
+        err = (df[closing] - 1).abs()
+        spread = df.groupby(["model", "cap"], sort=False)[closing].agg(lambda r: r.max() / r.min())
+        out.append(dict(closing=closing, plans=len(df), within_10_pct=int((err <= 0.10).sum()),
+                        within_15_pct=int((err <= 0.15).sum()), worst_error_pct=100 * err.max(),
+                        worst_spread=spread.max(), median_spread=spread.median()))
+    return pd.DataFrame(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "closing"))
+    args = ap.parse_args(argv)
+    if args.steps < 3 or args.rounds < 1:
+        ap.error("give --steps >= 3 and --rounds >= 1")
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    hw = probe_hardware("cpu", threads=torch.get_num_threads()).with_gpus(1)
+    rows = []
+    for label, name, overrides in bf.MODELS:
+        print(f"profiling {label} ...", flush=True)
+        profile = profile_model(build_model(name, **overrides), bf.SIZES, "cpu", progress=False)
+        for factor in bf.CAP_FACTORS:
+            rows += run_case(label, name, overrides, factor, profile, hw, args.steps, args.rounds)
+    df = pd.DataFrame(rows)
+    summary = summarize(df)
+    text = ["# Closing the calibrated step: a factor, a shift, or nothing, on the same measurements\n",
+            f"`OMP_NUM_THREADS=1 python benchmarks/bench_closing.py` ({time.perf_counter() - t0:.0f} s); "
+            f"{machine_description()}; {torch.get_num_threads()} intra-op thread(s); bench_fidelity.py's cases, "
+            f"{args.steps} steps per run, {args.rounds} runs per plan interleaved. Each column is measured / "
+            f"simulated on the hardware calibrated on Harmony's plan and closed that way; the plans judged are "
+            f"those made on the hardware `calibrate` writes.\n",
+            "## Summary\n", markdown_table(summary, floatfmt=".3f"), "",
+            "## Per plan\n", markdown_table(df, floatfmt=".4f"), ""]
+    write_results(Path(args.out), df, "\n".join(text))
+    print(markdown_table(summary, floatfmt=".3f"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
