@@ -10,6 +10,8 @@ plan and fits, by least squares over the matched events, the Hardware terms the 
 * compute (forward; backward with its recompute): measured = compute_scale * profiled + issue_overhead_s
 * host -> GPU copies (weights and activations): measured = bytes / h2d_bandwidth + h2d_latency_s;
   GPU -> host copies likewise with d2h_bandwidth, d2h_latency_s
+* GPU -> GPU sends where the trace times them (the CPU device: the sends and receives between
+  ranks, matched per rank and microbatch): measured = bytes / p2p_bandwidth + p2p_latency_s
 * CPU optimizer steps: measured = cpu_optimizer_scale * profiled + cpu_optimizer_call_s
 * optimizer steps on the GPU: gpu_optimizer_bandwidth; the vDP all-reduce: collective_bandwidth
 
@@ -42,10 +44,14 @@ TERMS = {
     "CPU step": (("CPU step",), "cpu_optimizer_scale", "cpu_optimizer_call_s"),
     "GPU step": (("GPU step",), "gpu_optimizer_bandwidth", None),
     "all-reduce": (("all-reduce",), "collective_bandwidth", None),
+    "GPU to GPU": (("GPU to GPU",), "p2p_bandwidth", "p2p_latency_s"),
 }
+#: The terms priced per byte moved (the rest: per second of the neutral simulation's event).
+BYTE_TERMS = ("host -> GPU", "GPU -> host", "GPU to GPU")
 
 #: The cost terms with their neutral values: the simulator then prices from the profile and bandwidths alone.
 NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s": 0.0, "d2h_latency_s": 0.0,
+                 "p2p_latency_s": 0.0,
                  "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None}
 
 
@@ -87,7 +93,7 @@ def idle_time(timeline: Timeline, rank: int = 0) -> float:
 
 
 #: The fixed costs a rank that runs its instructions one at a time pays between them as well.
-GAP_FIELDS = ("issue_overhead_s", "h2d_latency_s", "d2h_latency_s")
+GAP_FIELDS = ("issue_overhead_s", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s")
 
 
 def instruction_gap(measured: Timeline) -> float:
@@ -135,10 +141,13 @@ class Fit:
     note: str = ""
 
 
-def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool) -> tuple[float | None, float, str]:
+def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
+          fixed_first: bool = False) -> tuple[float | None, float, str]:
     """Least squares of ``y = a * x + b * n`` with ``a > 0`` and ``b >= 0`` (``two=False``: ``b = 0``).
     Where the points cannot tell ``a`` from ``b`` (fewer than two distinct ratios x / n), ``a`` alone,
-    through the origin; where y does not grow with x, ``a = slope0`` (the input's) and ``b`` alone."""
+    through the origin, or with ``fixed_first`` ``a = slope0`` and ``b`` alone (messages small enough
+    that their fixed cost is most of their time); where y does not grow with x, ``a = slope0`` (the
+    input's) and ``b`` alone."""
     if not len(y):
         return None, 0.0, "no matched events: kept"
     if not (x > 0).any():
@@ -151,6 +160,10 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool)
     scale = np.array([np.abs(x).max(), np.abs(n).max()])
     a_mat = np.column_stack([x, n]) / scale
     if np.linalg.matrix_rank(a_mat, tol=1e-9 * np.abs(a_mat).max()) < 2:
+        if fixed_first and slope0 > 0:
+            return slope0, max(float(n @ (y - slope0 * x) / (n @ n)), 0.0), (
+                f"{len(y)} matched group(s) of one shape: the fixed cost alone, the slope kept (the slope "
+                f"needs events of different sizes)")
         return through_origin, 0.0, (f"{len(y)} matched group(s) of one shape: the slope alone, through the "
                                      f"origin (the fixed cost needs events of different sizes)")
     (a, b), *_ = np.linalg.lstsq(a_mat, y, rcond=None)
@@ -206,16 +219,16 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
     if gap:
         notes.append(f"{gap * 1e6:.0f} us between consecutive instructions (the executor's own work and its "
                      f"untimed frees) is added to every instruction's fixed cost: issue_overhead_s, "
-                     f"h2d_latency_s and d2h_latency_s")
+                     f"h2d_latency_s, d2h_latency_s and p2p_latency_s")
     issues = _issues(plan)
     for name, (works, slope_field, fixed_field) in TERMS.items():
         keys = [k for k in sim if k[1] in works and k in got]
-        bytes_x = name in ("host -> GPU", "GPU -> host")
+        bytes_x = name in BYTE_TERMS
         x = np.array([sim[k][2] if bytes_x else sim[k][1] for k in keys], dtype=float)
         n = np.array([sim[k][0] * issues.get(k[1:3], 1) for k in keys], dtype=float)
         y = np.array([got[k][1] for k in keys], dtype=float)
         old = _neutral_slope(hardware, slope_field)
-        slope, fixed, note = _line(x, n, y, old, fixed_field is not None)
+        slope, fixed, note = _line(x, n, y, old, fixed_field is not None, fixed_first=name == "GPU to GPU")
         fits[name] = Fit(name, works, slope, fixed, len(keys), note)
         if slope is None and not keys:
             if any(k[1] in works for k in sim):
@@ -234,7 +247,7 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
     for (_, work, pack, _), (count, secs, nbytes) in sim.items():
         if work in price:
             a, b = price[work]
-            x = nbytes if work in ("weights in", "activations in", "weights out", "activations out") else secs
+            x = nbytes if any(work in TERMS[t][0] for t in BYTE_TERMS) else secs
             fitted[work] += a * x + b * count * issues.get((work, pack), 1)
         else:
             fitted[work] += secs
@@ -252,15 +265,15 @@ def _issues(plan) -> dict[tuple[str, str], int]:
 
 def _neutral_slope(hw: Hardware, field: str) -> float:
     """The slope the neutral simulation already prices with: seconds per byte of a copy, 1 for times."""
-    if field in ("h2d_bandwidth", "d2h_bandwidth"):
-        return 1.0 / getattr(hw, field)
+    if field in ("h2d_bandwidth", "d2h_bandwidth", "p2p_bandwidth"):
+        return 1.0 / getattr(hw, field) if getattr(hw, field) else 0.0
     return 1.0
 
 
 def _fields(hw: Hardware, slope_field: str, slope: float, fixed_field: str | None, fixed: float) -> dict:
     """The Hardware fields a fitted slope and fixed cost set."""
     out: dict[str, object] = {} if fixed_field is None else {fixed_field: fixed}
-    if slope_field in ("h2d_bandwidth", "d2h_bandwidth"):
+    if slope_field in ("h2d_bandwidth", "d2h_bandwidth", "p2p_bandwidth"):
         out[slope_field] = 1.0 / slope
     elif slope_field == "gpu_optimizer_bandwidth":
         out[slope_field] = hw.gpu_optimizer_bandwidth / slope

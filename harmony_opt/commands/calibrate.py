@@ -128,11 +128,11 @@ def _term_lines(cal, hw: Hardware) -> list[str]:
     if f["compute"].points:
         out.append(f"compute: scale {h.compute_scale:.4g} x the profile, {h.issue_overhead_s * 1e6:.1f} us per event "
                    f"({f['compute'].points} matched groups)")
-    for name, way, lat in (("host -> GPU", "h2d", "h2d_latency_s"), ("GPU -> host", "d2h", "d2h_latency_s")):
+    for name, way in (("host -> GPU", "h2d"), ("GPU -> host", "d2h"), ("GPU to GPU", "p2p")):
         if f[name].points:
             out.append(f"{name}: {getattr(h, f'{way}_bandwidth') / 1e9:.3g} GB/s (was "
-                       f"{getattr(hw, f'{way}_bandwidth') / 1e9:.3g}), {getattr(h, lat) * 1e6:.1f} us per copy "
-                       f"({f[name].points} matched groups)")
+                       f"{getattr(hw, f'{way}_bandwidth') / 1e9:.3g}), {getattr(h, f'{way}_latency_s') * 1e6:.1f} "
+                       f"us per {'send' if way == 'p2p' else 'copy'} ({f[name].points} matched groups)")
     if f["CPU step"].points:
         out.append(f"CPU optimizer: scale {h.cpu_optimizer_scale:.4g} x the profile, "
                    f"{h.cpu_optimizer_call_s * 1e6:.1f} us per call ({f['CPU step'].points} matched groups)")
