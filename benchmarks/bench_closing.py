@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 import bench_fidelity as bf
-from harmony_opt.calibrate import GAP_FIELDS, calibrate, close_step
+from harmony_opt.calibrate import GAP_FIELDS, calibrate, close_step, scaled
 from harmony_opt.core.io import write_results
 from harmony_opt.measure.models import build_model
 from harmony_opt.measure.probe import probe_hardware
@@ -72,10 +72,9 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -
     if base is None:
         return []
     t, trace = bf.measured_in_rounds(model, {bf.CALIBRATE_ON: base}, steps, rounds)
-    # the per-event fit alone: calibrate's own closing undone by closing on the fit's own step
+    # the per-event fit alone: calibrate's own closing (one factor on every time term) undone
     cal = calibrate(base, profile, hw, trace[bf.CALIBRATE_ON], step_time=t[bf.CALIBRATE_ON])
-    fit = cal.hardware if cal.iteration["scale"] == 1.0 else \
-        close_step(base, profile, cal.hardware, cal.iteration["fitted"])[0]
+    fit = scaled(cal.hardware, 1 / cal.iteration["scale"])
     plans = bf.make_plans(profile, cal.hardware, cap)
     measured, _ = bf.measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds)
     again = measured.pop("calibrated on")

@@ -46,8 +46,11 @@ TERMS = {
     "all-reduce": (("all-reduce",), "collective_bandwidth", None),
     "GPU to GPU": (("GPU to GPU",), "p2p_bandwidth", "p2p_latency_s"),
 }
-#: The terms priced per byte moved (the rest: per second of the neutral simulation's event).
+#: The terms priced per byte moved (the rest: per second of the neutral simulation's event), the kinds
+#: of work they price, and the bandwidths they set (seconds per byte: the slope's inverse).
 BYTE_TERMS = ("host -> GPU", "GPU -> host", "GPU to GPU")
+BYTE_WORKS = frozenset(w for t in BYTE_TERMS for w in TERMS[t][0])
+COPY_BANDWIDTHS = tuple(TERMS[t][1] for t in BYTE_TERMS)
 
 #: The cost terms with their neutral values: the simulator then prices from the profile and bandwidths alone.
 NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s": 0.0, "d2h_latency_s": 0.0,
@@ -247,7 +250,7 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
     for (_, work, pack, _), (count, secs, nbytes) in sim.items():
         if work in price:
             a, b = price[work]
-            x = nbytes if any(work in TERMS[t][0] for t in BYTE_TERMS) else secs
+            x = nbytes if work in BYTE_WORKS else secs
             fitted[work] += a * x + b * count * issues.get((work, pack), 1)
         else:
             fitted[work] += secs
@@ -265,7 +268,7 @@ def _issues(plan) -> dict[tuple[str, str], int]:
 
 def _neutral_slope(hw: Hardware, field: str) -> float:
     """The slope the neutral simulation already prices with: seconds per byte of a copy, 1 for times."""
-    if field in ("h2d_bandwidth", "d2h_bandwidth", "p2p_bandwidth"):
+    if field in COPY_BANDWIDTHS:
         return 1.0 / getattr(hw, field) if getattr(hw, field) else 0.0
     return 1.0
 
@@ -273,7 +276,7 @@ def _neutral_slope(hw: Hardware, field: str) -> float:
 def _fields(hw: Hardware, slope_field: str, slope: float, fixed_field: str | None, fixed: float) -> dict:
     """The Hardware fields a fitted slope and fixed cost set."""
     out: dict[str, object] = {} if fixed_field is None else {fixed_field: fixed}
-    if slope_field in ("h2d_bandwidth", "d2h_bandwidth", "p2p_bandwidth"):
+    if slope_field in COPY_BANDWIDTHS:
         out[slope_field] = 1.0 / slope
     elif slope_field == "gpu_optimizer_bandwidth":
         out[slope_field] = hw.gpu_optimizer_bandwidth / slope

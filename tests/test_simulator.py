@@ -449,7 +449,8 @@ def test_without_copy_overlap_a_rank_runs_one_event_at_a_time(case):
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(plans(), st.fixed_dictionaries({
     "copy_overlap": st.booleans(), "h2d_latency_s": st.sampled_from([0.0, 1e-4]), "d2h_latency_s": st.sampled_from([0.0, 1e-4]),
-    "p2p_latency_s": st.sampled_from([0.0, 1e-4]), "compute_scale": st.sampled_from([0.01, 0.5, 1.0, 2.0]), "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3]),
+    "p2p_latency_s": st.sampled_from([0.0, 1e-4]), "compute_scale": st.sampled_from([0.01, 0.5, 1.0, 2.0]),
+    "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3]),
     "issue_overhead_s": st.sampled_from([0.0, 1e-4, 1e-3]), "collective_bandwidth": st.sampled_from([None, 1e8])}),
     st.floats(0.3, 1.0), st.sampled_from([1.0, 100.0]))
 def test_the_lower_bound_holds_with_the_hardwares_execution_terms(case, terms, frac, slow):
