@@ -45,8 +45,22 @@ class Comm:
         return dist.irecv(t, src=peer, tag=tag, group=self._group(peer, self.rank, cls))
 
     def all_reduce(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` over the ranks, in place. On Gloo (host tensors) they go as one flat buffer
+        per dtype, as DDP buckets them: one call per tensor cost a GPT-2 block's 12 gradients 18 ms
+        between two CPU ranks, one call 2.3 ms, and the simulator prices one all-reduce of the pack's
+        bytes. On NCCL one call per tensor: a flat buffer would add device memory the plan does not count."""
+        if self.backend != "gloo" or len(tensors) < 2 or any(t.device.type != "cpu" for t in tensors):
+            for t in tensors:
+                dist.all_reduce(t)
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
-            dist.all_reduce(t)
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.all_reduce(flat)
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(part.view_as(t))
 
     def sum_float(self, x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)
