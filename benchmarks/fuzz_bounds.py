@@ -41,20 +41,14 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))     # the checks and the profile generator of tests/test_bounds.py
 
-from test_bounds import TICK, check_configuration, instance, server  # noqa: E402
+from test_bounds import TERM_CHOICES, check_configuration, check_plan_bounds, instance, server  # noqa: E402
 
-from harmony_opt.core.errors import HarmonyOptError, InfeasibleError  # noqa: E402
+from harmony_opt.core.errors import HarmonyOptError  # noqa: E402
 from harmony_opt.core.io import atomic_write_text  # noqa: E402
 from harmony_opt.core.profile import Profile  # noqa: E402
 from harmony_opt.report import markdown_table  # noqa: E402
 from harmony_opt.solver_models.options import configurations  # noqa: E402
-from harmony_opt.solver_models.planner import PlannerOptions, plan  # noqa: E402
-
-#: The hardware's execution terms, drawn as tests/test_bounds.py's TERMS draws them.
-TERMS = dict(copy_overlap=[True, False], h2d_latency_s=[0.0, 2e-5, 1e-3], d2h_latency_s=[0.0, 2e-5, 1e-3],
-             p2p_latency_s=[0.0, 1e-3], compute_scale=[0.2, 0.6, 1.0, 3.0], cpu_optimizer_call_s=[0.0, 1e-3, 2e-2],
-             issue_overhead_s=[0.0, 5e-5, 2e-3], collective_bandwidth=[None, 1e8, 1e11])
-
+from harmony_opt.solver_models.planner import PlannerOptions  # noqa: E402
 
 def some_layers(profile: Profile, keep: list[int]) -> Profile:
     """``profile`` cut down to the layers ``keep`` (sorted), renumbered from 0."""
@@ -104,20 +98,7 @@ def check_exact(rng, profile, hw, cap, batch) -> int:
 
 def check_planner(rng, profile, hw, cap, batch) -> int:
     """The planner's reported bounds against what they bound; 1 if it planned, 0 if infeasible."""
-    mode = rng.choice(["auto", "vPP", "vPP", "vDP"])
-    try:
-        p = plan(profile, hw, batch, PlannerOptions(mode=mode, time_limit=1.0), memory_cap=cap)
-    except InfeasibleError:
-        return 0
-    s, tol = p.solver, (2 * profile.num_layers + 1) * TICK      # the model's ticks: at most one per task
-    conf = s["configuration"]
-    if conf is not None and conf["bound"] is not None:
-        assert conf["bound"] <= conf["objective"] + tol, ("configuration", mode, conf)
-    if s["bound"] is not None and s["objective"] is not None:
-        assert s["bound"] <= s["objective"] + tol, ("every configuration", mode, s["bound"], s["objective"])
-    assert s["lower_bound_s"] <= p.simulated_iteration_time_s, ("lower bound", s["lower_bound_s"],
-                                                               p.simulated_iteration_time_s)
-    return 1
+    return int(check_plan_bounds(profile, hw, batch, cap, rng.choice(["auto", "vPP", "vPP", "vDP"])))
 
 
 def main(argv=None) -> int:
@@ -145,7 +126,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 60 * args.minutes:
         label, profile, hw, cap, batch = draw(rng, measured, most, exact)
-        terms = {k: rng.choice(v) for k, v in TERMS.items()} if rng.random() < 0.5 else {}
+        terms = {k: rng.choice(v) for k, v in TERM_CHOICES.items()} if rng.random() < 0.5 else {}
         hw = dataclasses.replace(hw, **terms)
         kind = "measured" if label.startswith(tuple(p.name for p in measured)) else "random"
         try:
