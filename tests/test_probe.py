@@ -128,7 +128,7 @@ def test_a_pack_step_is_one_call_plus_its_layers_net_steps():
         optim.step_host((0, 5))
         runs.append(time.perf_counter() - t0)
     pack = statistics.median(runs)
-    assert 0 < call < statistics.median(whole), (call, whole)
+    assert 0 < call < min(whole), (call, whole)
     assert sum(whole) > 1.5 * pack, (whole, pack)
     assert call + sum(w - call for w in whole) == pytest.approx(pack, rel=0.5), (call, whole, pack)
     assert torch.isfinite(layers[0].w[0]).all()
