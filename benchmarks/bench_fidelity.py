@@ -6,7 +6,7 @@ plan again with the calibrated hardware, then train every planner's plan for a f
 compare its measured step time (median over the steps between the first and the traced last) with
 its simulated one.
 
-Cases: a transformer (GPT-2), a CNN (VGG) and a model of at least 12 layers (BERT), two memory
+Cases: a transformer (GPT-2), a CNN (VGG) and a model of at least 12 layers (BERT), three memory
 caps each, and the plans of ``plan`` (cp-sat), ``plan --harmony-space``, Harmony's search, L2L and
 naive swapping. Reported per case, uncalibrated (the probed hardware) and calibrated:
 
@@ -50,8 +50,9 @@ from harmony_opt.training import train
 MODELS = (("gpt2", "gpt2-tiny", {"n_layer": 6, "n_embd": 128, "sequence_length": 32}),
           ("vgg", "vgg-tiny", {}),
           ("bert-12", "bert-tiny", {"num_layers": 12, "hidden_size": 96, "intermediate_size": 384}))
-#: memory caps as multiples of the largest layer's backward working set at microbatch 1
-CAP_FACTORS = (1.6, 4.0)
+#: memory caps as multiples of the largest layer's backward working set at microbatch 1; at 12 the packs
+#: are few and large, and Harmony's plan has 2-3 events of each kind to calibrate on
+CAP_FACTORS = (1.6, 4.0, 12.0)
 BATCH = 8
 SIZES = [1, 2, 4, 8]
 #: (label, registry planner, its options); the first is ours

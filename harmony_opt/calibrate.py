@@ -15,6 +15,10 @@ plan and fits, by least squares over the matched events, the Hardware terms the 
 * CPU optimizer steps: measured = cpu_optimizer_scale * profiled + cpu_optimizer_call_s
 * optimizer steps on the GPU: gpu_optimizer_bandwidth; the vDP all-reduce: collective_bandwidth
 
+A fixed cost is fitted only where the matched groups tell it from the slope (at least
+``MIN_FIXED_GROUPS``, and a significant gain by an F-test); elsewhere the input's (what ``probe``
+measured) is kept and the slope alone fitted.
+
 The simulated side is priced with these terms neutral (:func:`neutral`: the profile's times and
 bytes / bandwidth alone), so the fit is the same whatever terms the given hardware carried.
 :func:`calibrate` runs the whole comparison for a plan; :func:`promise` is the per-kind comparison
@@ -55,7 +59,8 @@ COPY_BANDWIDTHS = tuple(TERMS[t][1] for t in BYTE_TERMS)
 #: The cost terms with their neutral values: the simulator then prices from the profile and bandwidths alone.
 NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s": 0.0, "d2h_latency_s": 0.0,
                  "p2p_latency_s": 0.0,
-                 "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None}
+                 "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None,
+                 "instruction_gap_s": 0.0}
 
 
 def untraced_step_time(step_times) -> float | None:
@@ -144,13 +149,38 @@ class Fit:
     note: str = ""
 
 
+#: F(1, d) at 95 %: the fixed cost is fitted only where freeing it explains the matched groups
+#: significantly better than the input's does (d = groups - 2; beyond the table, its last row).
+_F95 = ((1, 161.4), (2, 18.51), (3, 10.13), (4, 7.71), (5, 6.61), (6, 5.99), (7, 5.59), (8, 5.32), (9, 5.12),
+        (10, 4.96), (12, 4.75), (15, 4.54), (20, 4.35), (30, 4.17), (60, 4.00))
+
+
+#: Fewest matched groups a fixed cost is fitted from. Harmony's plan at a large cap has 3 compute groups,
+#: a forward and two recomputing backward packs (one instruction against two): where the executor ran
+#: the two kinds at different ratios to the profile, a free fit reads that as a fixed cost (gpt2-tiny
+#: at 12x its largest layer: 1.19 ms per instruction against the probed 69 us, L2L's plan then
+#: predicted 1.6x slower than it ran), and with one or two residual degrees of freedom the F-test
+#: passes such a misfit by chance.
+MIN_FIXED_GROUPS = 5
+
+
+def _f95(d: int) -> float:
+    return min(v for k, v in _F95 if k <= d)
+
+
 def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
-          fixed_first: bool = False) -> tuple[float | None, float, str]:
+          fixed_first: bool = False, fixed0: float | None = None) -> tuple[float | None, float, str]:
     """Least squares of ``y = a * x + b * n`` with ``a > 0`` and ``b >= 0`` (``two=False``: ``b = 0``).
-    Where the points cannot tell ``a`` from ``b`` (fewer than two distinct ratios x / n), ``a`` alone,
-    through the origin, or with ``fixed_first`` ``a = slope0`` and ``b`` alone (messages small enough
-    that their fixed cost is most of their time); where y does not grow with x, ``a = slope0`` (the
-    input's) and ``b`` alone."""
+
+    ``b`` is fitted only where the groups tell it: otherwise ``b = fixed0`` (the input's, e.g. what
+    probe measured) and ``a`` alone, since a few groups let noise and the kinds' different ratios to
+    the profile set both (docs/cost_model.md; ``MIN_FIXED_GROUPS``). So with ``p`` groups both are
+    fitted where ``p >= MIN_FIXED_GROUPS`` and the F-test of the freed fixed
+    cost against ``fixed0`` passes at 95 %. Where the points cannot tell ``a`` from ``b`` (fewer than two distinct
+    ratios x / n) ``a`` alone with ``b = fixed0``, or with ``fixed_first`` ``a = slope0`` and ``b``
+    alone (messages small enough that their fixed cost is most of their time); where y does not
+    grow with x, ``a = slope0`` (the input's) and ``b`` alone. ``fixed0=None``: ``b`` free wherever the
+    points can tell it, and 0 where they cannot (``fit_hardware(..., prior=False)``)."""
     if not len(y):
         return None, 0.0, "no matched events: kept"
     if not (x > 0).any():
@@ -160,6 +190,7 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
     through_origin = float(x @ y / (x @ x))
     if not two:
         return through_origin, 0.0, ""
+    kept = 0.0 if fixed0 is None else float(x @ (y - fixed0 * n) / (x @ x))  # the slope with the input's fixed cost
     scale = np.array([np.abs(x).max(), np.abs(n).max()])
     a_mat = np.column_stack([x, n]) / scale
     if np.linalg.matrix_rank(a_mat, tol=1e-9 * np.abs(a_mat).max()) < 2:
@@ -167,6 +198,9 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
             return slope0, max(float(n @ (y - slope0 * x) / (n @ n)), 0.0), (
                 f"{len(y)} matched group(s) of one shape: the fixed cost alone, the slope kept (the slope "
                 f"needs events of different sizes)")
+        if kept > 0 and fixed0:
+            return kept, fixed0, (f"{len(y)} matched group(s) of one shape: the slope alone, the fixed cost kept "
+                                  f"at the input's {fixed0 * 1e6:.1f} us (it needs events of different sizes)")
         return through_origin, 0.0, (f"{len(y)} matched group(s) of one shape: the slope alone, through the "
                                      f"origin (the fixed cost needs events of different sizes)")
     (a, b), *_ = np.linalg.lstsq(a_mat, y, rcond=None)
@@ -176,6 +210,16 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
         return slope0, b, "the measured time does not grow with the work: slope kept, fixed cost fitted"
     if b < 0:
         return through_origin, 0.0, "the fixed cost came out negative: clipped to 0, slope refitted"
+    if kept > 0:
+        free = float(((y - a * x - b * n) ** 2).sum())
+        held = float(((y - kept * x - fixed0 * n) ** 2).sum())
+        p = len(y)
+        tiny = 1e-18 * float(y @ y)
+        told = p >= MIN_FIXED_GROUPS and held > tiny and (free <= tiny or (held - free) / (free / (p - 2)) > _f95(p - 2))
+        if not told:
+            why = f"fewer than {MIN_FIXED_GROUPS}" if p < MIN_FIXED_GROUPS else "no significant gain, F-test at 95 %"
+            return kept, fixed0, (f"{p} matched group(s) do not tell the fixed cost from the slope ({why}): "
+                                  f"the input's {fixed0 * 1e6:.1f} us kept, the slope fitted")
     return a, b, ""
 
 
@@ -200,14 +244,17 @@ class Calibration:
         return {f: getattr(self.hardware, f) for f in names}
 
 
-def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, plan=None) -> Calibration:
+def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, plan=None, prior: bool = True
+                 ) -> Calibration:
     """Fit ``hardware``'s cost terms so that ``simulated`` (the same plan simulated on
     :func:`neutral` ``(hardware)``) prices its events as ``measured`` took them.
 
     Events are matched by (rank, kind of work, pack, microbatch) (``plan``, when given, names the
     forward and backward pack each compute event belongs to); each key's measured seconds are fitted
     against its simulated events' neutral seconds (compute, CPU steps) or bytes (copies) and count.
-    Returns the fitted Hardware (``dataclasses.replace``; ``copy_overlap`` and the rest kept)."""
+    A fixed cost the groups cannot tell from the slope is kept at ``hardware``'s (:func:`_line`;
+    ``prior=False``: fitted freely, 0 where it cannot be). Returns the fitted Hardware
+    (``dataclasses.replace``; ``copy_overlap`` and the rest kept)."""
     anchors = _anchors(plan)
     got, sim = _groups(measured.events, anchors), _groups(simulated.events, anchors)
     unmatched: dict[str, float] = defaultdict(float)
@@ -231,7 +278,8 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
         n = np.array([sim[k][0] * issues.get(k[1:3], 1) for k in keys], dtype=float)
         y = np.array([got[k][1] for k in keys], dtype=float)
         old = _neutral_slope(hardware, slope_field)
-        slope, fixed, note = _line(x, n, y, old, fixed_field is not None, fixed_first=name == "GPU to GPU")
+        slope, fixed, note = _line(x, n, y, old, fixed_field is not None, fixed_first=name == "GPU to GPU",
+                                   fixed0=_prior(hardware, fixed_field) if prior else None)
         fits[name] = Fit(name, works, slope, fixed, len(keys), note)
         if slope is None and not keys:
             if any(k[1] in works for k in sim):
@@ -244,6 +292,7 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
         changes.update(_fields(hardware, slope_field, used, fixed_field, fixed))
         if note:
             notes.append(f"{name}: {note}")
+    changes["instruction_gap_s"] = gap
     new = _keep_link_slots(hardware, dataclasses.replace(hardware, **changes))
     measured_busy, simulated_busy = busy_by_work(measured), busy_by_work(simulated)
     fitted: dict[str, float] = defaultdict(float)
@@ -255,6 +304,16 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
         else:
             fitted[work] += secs
     return Calibration(new, fits, measured_busy, simulated_busy, dict(fitted), dict(unmatched), notes)
+
+
+def _prior(hw: Hardware, fixed_field: str | None) -> float:
+    """The input's fixed cost of one event, what a fit keeps where its groups cannot tell it: without
+    the time between instructions a calibration added to it (``instruction_gap_s``), which this fit
+    measures and adds again."""
+    if fixed_field is None:
+        return 0.0
+    v = getattr(hw, fixed_field)
+    return max(v - hw.instruction_gap_s, 0.0) if fixed_field in GAP_FIELDS else v
 
 
 def _issues(plan) -> dict[tuple[str, str], int]:
@@ -331,7 +390,7 @@ def check_measured(measured: Timeline, simulated: Timeline, plan, where: str = "
 
 
 def calibrate(plan, profile, hardware: Hardware, measured: Timeline, where: str = "the measured step",
-              step_time: float | None = None) -> Calibration:
+              step_time: float | None = None, prior: bool = True) -> Calibration:
     """Simulate ``plan`` on ``hardware`` (before), on its neutral terms (fitted against) and on the
     fitted hardware; fit; close the step (:func:`close_step`) on ``step_time`` (the measured step's
     own time when not given; better, the median of several untraced steps); return the Calibration
@@ -342,7 +401,7 @@ def calibrate(plan, profile, hardware: Hardware, measured: Timeline, where: str 
     simulated = simulate(plan, profile, base)
     check_measured(measured, simulated, plan, where)
     before = simulated if base == hardware else simulate(plan, profile, hardware)
-    cal = fit_hardware(measured, simulated, hardware, plan)
+    cal = fit_hardware(measured, simulated, hardware, plan, prior)
     target = float(step_time) if step_time else measured.iteration_time
     fitted = simulate(plan, profile, cal.hardware, with_timeline=False).iteration_time
     cal.hardware, factor, note = close_step(plan, profile, cal.hardware, target)
@@ -364,7 +423,7 @@ CLOSE_TOLERANCE = 1e-3
 #: Hardware fields that time something, by how: multiplied (seconds, factors on seconds) or divided
 #: (bandwidths) by :func:`scaled`'s factor.
 TIME_FIELDS = ("compute_scale", "issue_overhead_s", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s",
-               "cpu_optimizer_scale", "cpu_optimizer_call_s")
+               "cpu_optimizer_scale", "cpu_optimizer_call_s", "instruction_gap_s")
 RATE_FIELDS = ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                "gpu_optimizer_bandwidth", "collective_bandwidth", "network_bandwidth")
 

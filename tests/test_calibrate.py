@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from harmony_opt import get_hardware
-from harmony_opt.calibrate import (CLOSE_TOLERANCE, busy_by_work, calibrate, close_step, fit_hardware,
+from harmony_opt.calibrate import (CLOSE_TOLERANCE, _line, busy_by_work, calibrate, close_step, fit_hardware,
                                    idle_time, neutral, scaled, work_of)
 from harmony_opt.cli import main
 from harmony_opt.core.errors import UsageError
@@ -27,10 +27,10 @@ GPU_STEP_SLOWER, ALL_REDUCE_BW, P2P_BW, P2P_LAT = 2.0, 4e9, 5e9, 40e-6
 
 
 def _plan(mode="vPP", gpus=1, gpu_step=False) -> Plan:
-    bwd = [(0, 1), (2, 3), (4, 5), (6, 7)]
+    bwd = [(0, 0), (1, 1), (2, 3), (4, 5), (6, 6), (7, 7)]     # 5 CPU steps or more: enough to fit a fixed cost
     opts = tuple(PackOptions(recompute=i != 1, optimizer="gpu" if gpu_step and i == 2 else "cpu")
                  for i in range(len(bwd)))
-    return Plan("test", mode, gpus, 8, 2, 2, [(0, 2), (3, 5)], bwd, 8, options=opts)
+    return Plan("test", mode, gpus, 8, 2, 2, [(0, 2), (3, 6)], bwd, 8, options=opts)
 
 
 def _synthetic(tl: Timeline, n_ranks: int) -> Timeline:
@@ -111,6 +111,51 @@ def test_one_shape_of_event_fits_the_slope_alone_and_says_so():
     assert any(n.startswith("CPU step: 1 matched group(s) of one shape") for n in cal.notes)
 
 
+def test_a_fixed_cost_is_fitted_only_where_the_groups_tell_it():
+    """Three groups whose noise alone sets the intercept (Harmony's plan of a small model): the input's
+    fixed cost is kept and the slope fitted with it. Twelve groups of the same machine with less
+    noise: the fixed cost is fitted, near the true one, and the input's is ignored."""
+    x, n = np.array([1.0, 2.0, 3.5]), np.ones(3)
+    y = 1.0 * x + 0.1 + np.array([0.3, -0.2, -0.1])      # true: slope 1, fixed 0.1
+    _, free_fixed, _ = _line(x, n, y, 1.0, True)
+    assert free_fixed > 0.3                               # the free fit takes the noise for a fixed cost
+    slope, fixed, note = _line(x, n, y, 1.0, True, fixed0=0.1)
+    assert fixed == 0.1 and slope == pytest.approx(float(x @ (y - 0.1) / (x @ x)))
+    assert "do not tell the fixed cost" in note
+    rng = np.random.default_rng(0)
+    x = np.linspace(1.0, 12.0, 12)
+    n = rng.integers(1, 4, 12).astype(float)
+    y = 1.0 * x + 0.1 * n + rng.normal(0, 0.005, 12)
+    slope, fixed, note = _line(x, n, y, 1.0, True, fixed0=0.5)
+    assert slope == pytest.approx(1.0, rel=0.01) and fixed == pytest.approx(0.1, rel=0.1) and note == ""
+
+
+def test_recalibrating_a_calibrated_file_does_not_add_the_gap_twice():
+    """One backward pack of two equal microbatches: one shape, so the compute's fixed cost is the
+    input's plus the time between instructions, which the file records; calibrating again from that
+    file on the same step gives the same fixed cost, not one more gap."""
+    prof = synthetic_profile(R=4)
+    plan = Plan("test", "vPP", 1, 4, 2, 2, [], [(0, 3)], 4)
+    hw = dataclasses.replace(HW.with_gpus(1), copy_overlap=False, issue_overhead_s=30e-6)
+    sim = simulate(plan, prof, neutral(hw))
+    ev = _synthetic(sim, 1).events.sort_values("start")
+    ev = ev[ev.stream != "cpu"].reset_index(drop=True)
+    gap, t = 40e-6, 0.0
+    for i in ev.index:
+        d = ev.at[i, "end"] - ev.at[i, "start"]
+        ev.at[i, "start"] = t + gap
+        ev.at[i, "end"] = t = t + gap + d
+    spaced = Timeline(ev, t, ranks=1, meta={"source": "measured"})
+    once = fit_hardware(spaced, sim, hw, plan)
+    _close(once.hardware.issue_overhead_s, 30e-6 + gap)
+    _close(once.hardware.instruction_gap_s, gap)
+    assert any(n.startswith("compute: ") and "one shape" in n for n in once.notes)
+    twice = fit_hardware(spaced, sim, once.hardware, plan).hardware
+    _close(twice.issue_overhead_s, 30e-6 + gap)
+    _close(twice.compute_scale, once.hardware.compute_scale)
+    assert Hardware.from_dict(twice.to_dict()) == twice          # the record survives a file
+
+
 def test_executor_names_match_the_simulators():
     """The executor times a backward pack's recompute apart (REC) and names a copy by its tensor's layer;
     both are matched to the simulator's events."""
@@ -150,7 +195,7 @@ def test_a_step_missing_a_kind_of_work_is_refused():
     sim = simulate(plan, prof, HW)
     measured = _synthetic(sim, 1)
     measured.events = measured.events[measured.events.stream != "swap_in_w"]
-    with pytest.raises(UsageError, match=r"has no weights in events but the plan moves 6 weight packs to the device"):
+    with pytest.raises(UsageError, match=r"has no weights in events but the plan moves 8 weight packs to the device"):
         calibrate(plan, prof, HW, measured)
 
 
