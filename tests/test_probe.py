@@ -113,8 +113,9 @@ def test_a_pack_step_is_one_call_plus_its_layers_net_steps():
     from harmony_opt.measure.profiler import cpu_call_time, cpu_update_time
     from harmony_opt.runtime.optim import PackOptimizers, make_factory
 
-    # layers whose step work (4 x 4096 floats) is about half the call's fixed cost: large enough that a
-    # whole step measures above the call on a busy machine, small enough that the call dominates a pack
+    # layers whose step work (4 x 4096 floats) is of the order of the call's fixed cost (0.5x to 1.6x on
+    # the 2-core machines measured): large enough that a whole step measures above the call on a busy
+    # machine, small enough that the calls counted once per layer show in the sum
     layers = [_Weights(4, 4096) for _ in range(6)]
     call = cpu_call_time("adam", 9)
     whole = [cpu_update_time(list(layer.parameters()), "adam", repeats=9) for layer in layers]
@@ -129,6 +130,8 @@ def test_a_pack_step_is_one_call_plus_its_layers_net_steps():
         runs.append(time.perf_counter() - t0)
     pack = statistics.median(runs)
     assert 0 < call < min(whole), (call, whole)
-    assert sum(whole) > 1.5 * pack, (whole, pack)
+    # the layers' whole steps summed count the call once per layer: (layers - 1) calls too many; at
+    # least half of that, whatever the call's share of a step on this machine
+    assert sum(whole) - pack > 0.5 * (len(layers) - 1) * call, (call, whole, pack)
     assert call + sum(w - call for w in whole) == pytest.approx(pack, rel=0.5), (call, whole, pack)
     assert torch.isfinite(layers[0].w[0]).all()
