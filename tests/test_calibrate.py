@@ -60,6 +60,19 @@ def _synthetic(tl: Timeline, n_ranks: int) -> Timeline:
     return Timeline(ev, float(ev.end.max()), ranks=tl.ranks, meta={"source": "measured"})
 
 
+def _serial(step: Timeline, gap: float) -> Timeline:
+    """``step``'s events but the CPU steps (which run on a thread beside), one at a time on one rank, each
+    starting ``gap`` after the one before it ends: a serial device's time between instructions."""
+    ev = step.events.sort_values("start")
+    ev = ev[ev.stream != "cpu"].reset_index(drop=True)
+    t = 0.0
+    for i in ev.index:
+        d = ev.at[i, "end"] - ev.at[i, "start"]
+        ev.at[i, "start"] = t + gap
+        ev.at[i, "end"] = t = t + gap + d
+    return Timeline(ev, t, ranks=1, meta={"source": "measured"})
+
+
 def _close(a, b):
     assert a == pytest.approx(b, rel=1e-6), (a, b)
 
@@ -138,14 +151,8 @@ def test_recalibrating_a_calibrated_file_does_not_add_the_gap_twice():
     plan = Plan("test", "vPP", 1, 4, 2, 2, [], [(0, 3)], 4)
     hw = dataclasses.replace(HW.with_gpus(1), copy_overlap=False, issue_overhead_s=30e-6)
     sim = simulate(plan, prof, neutral(hw))
-    ev = _synthetic(sim, 1).events.sort_values("start")
-    ev = ev[ev.stream != "cpu"].reset_index(drop=True)
-    gap, t = 40e-6, 0.0
-    for i in ev.index:
-        d = ev.at[i, "end"] - ev.at[i, "start"]
-        ev.at[i, "start"] = t + gap
-        ev.at[i, "end"] = t = t + gap + d
-    spaced = Timeline(ev, t, ranks=1, meta={"source": "measured"})
+    gap = 40e-6
+    spaced = _serial(_synthetic(sim, 1), gap)
     once = fit_hardware(spaced, sim, hw, plan)
     _close(once.hardware.issue_overhead_s, 30e-6 + gap)
     _close(once.hardware.instruction_gap_s, gap)
@@ -289,16 +296,9 @@ def test_time_between_instructions_goes_into_each_fixed_cost_on_a_serial_device(
     prof, plan = synthetic_profile(R=8), _plan()
     hw = dataclasses.replace(HW.with_gpus(1), copy_overlap=False)
     sim = simulate(plan, prof, neutral(hw))
-    step = _synthetic(sim, 1)
-    ev = step.events.sort_values("start")
-    ev = ev[ev.stream != "cpu"].reset_index(drop=True)     # (CPU steps run on a thread beside)
-    gap, t = 40e-6, 0.0
-    for i in ev.index:                  # serial: each event starts a gap after the one before it ends
-        d = ev.at[i, "end"] - ev.at[i, "start"]
-        ev.at[i, "start"] = t + gap
-        ev.at[i, "end"] = t = t + gap + d
-    spaced = Timeline(ev, t, ranks=1, meta={"source": "measured"})
-    assert idle_time(spaced) == pytest.approx(gap * len(ev))
+    gap = 40e-6
+    spaced = _serial(_synthetic(sim, 1), gap)
+    assert idle_time(spaced) == pytest.approx(gap * len(spaced.events))
     overlapped = fit_hardware(spaced, sim, dataclasses.replace(hw, copy_overlap=True), plan).hardware
     serial = fit_hardware(spaced, sim, hw, plan)
     for field in ("issue_overhead_s", "h2d_latency_s", "d2h_latency_s"):
