@@ -83,7 +83,7 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -
     cal = calibrate(base, profile, hw, trace[bf.CALIBRATE_ON], step_time=t[bf.CALIBRATE_ON])
     fit = scaled(cal.hardware, 1 / cal.iteration["scale"])
     free = calibrate(base, profile, hw, trace[bf.CALIBRATE_ON], step_time=t[bf.CALIBRATE_ON], prior=False)
-    fits = {name: scaled(free.hardware, 1 / free.iteration["scale"]) if name == "free" else fit for name in CLOSINGS}
+    fits = {**dict.fromkeys(CLOSINGS, fit), "free": scaled(free.hardware, 1 / free.iteration["scale"])}
     plans = bf.make_plans(profile, cal.hardware, cap)
     measured, _ = bf.measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds)
     again = measured.pop("calibrated on")
