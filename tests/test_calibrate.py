@@ -135,6 +135,11 @@ def test_a_fixed_cost_is_fitted_only_where_the_groups_tell_it():
     slope, fixed, note = _line(x, n, y, 1.0, True, fixed0=0.1)
     assert fixed == 0.1 and slope == pytest.approx(float(x @ (y - 0.1) / (x @ x)))
     assert "do not tell the fixed cost" in note
+    # noise the other way: the groups say the fixed cost is below 0, so below the input's: 0, whatever
+    # their number
+    y = 1.0 * x + 0.1 + np.array([-0.3, 0.2, 0.1])
+    slope, fixed, note = _line(x, n, y, 1.0, True, fixed0=0.1)
+    assert fixed == 0.0 and slope == pytest.approx(float(x @ y / (x @ x))) and "negative" in note
     rng = np.random.default_rng(0)
     x = np.linspace(1.0, 12.0, 12)
     n = rng.integers(1, 4, 12).astype(float)
