@@ -21,7 +21,7 @@ from harmony_opt.core.memory import max_pack_end
 from harmony_opt.core.plan import data_shares, split_microbatches
 from harmony_opt.core.profile import Profile
 
-from .tasks import Config, boundary_hops, forward_costs, link_capacity, link_rates, stash_out_exposed, stashable_layers
+from .tasks import Config, boundary_hops, link_capacity, link_rates, stash_out_exposed, stashable_layers
 
 
 def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
@@ -161,12 +161,13 @@ def _backward_work(profile: Profile, hw: Hardware, cfg: Config, ub: list[int]):
     """Per layer, summed over the backward microbatches ``ub``: (backward with its recompute, without
     it, the time its saved activations take to come in over the link, their bytes).
 
-    Without the recompute: the backward less the forward, as measured, negative where a layer's
-    backward took less than its forward (a CPU profile's tiny or noisy layers). A stashed pack skips
-    its forward as a whole (tasks.py: its backward less the lesser of its forward and its backward),
-    which is at least the sum of its layers' differences but less than the sum of each clipped at 0
-    where the pack holds layers of both signs: that sum put the bound above the best plan, on one GPU
-    as on several (tests/test_bounds.py)."""
+    Without the recompute: ``Profile.stashed_backward``, as measured on the stash path, or else the
+    backward less the forward, negative where a layer's backward took less than its forward (a CPU
+    profile's tiny or noisy layers). A stashed pack costs the sum over its layers clipped at 0 as a
+    whole (tasks.py; plus what its forward costs beyond the plain one, which only adds), at least the
+    sum of its layers' values but less than the sum of each clipped at 0 where the pack holds layers
+    of both signs: that sum put the bound above the best plan, on one GPU as on several
+    (tests/test_bounds.py)."""
     R = profile.num_layers
     # a vDP transfer waits for the server's other replicas (tasks.py), but on the rank's one engine at full
     # bandwidth without copy/compute overlap
@@ -175,7 +176,7 @@ def _backward_work(profile: Profile, hw: Hardware, cfg: Config, ub: list[int]):
     for u, k in collections.Counter(ub).items():        # at most two sizes (split_microbatches)
         c = profile.costs("BWD", u)
         bwd += k * c.time
-        no_rec += k * (c.time - forward_costs(profile, u).time)
+        no_rec += k * profile.stashed_backward(u)
         moved += k * c.saved * wait / hw.h2d_bandwidth
         saved += k * c.saved
     return bwd, no_rec, moved, saved
@@ -599,7 +600,7 @@ def _least_packing(max_end: np.ndarray, at_start: np.ndarray, at_top: np.ndarray
 def _backward_timer(profile: Profile, lam: float | None, bw_in: float, ok: np.ndarray | None = None):
     """``time(u, a, b)``: at least the backward compute of one microbatch of ``u`` samples over packs
     [a, b] (0 where empty), whatever the pack's option. Where stash may replace the recompute
-    (``lam`` not None), a stashed pack's microbatch takes max(backward - forward, saved / link)
+    (``lam`` not None), a stashed pack's microbatch takes max(stashed backward, saved / link)
     (tasks.py) >= lam * first + (1 - lam) * second, a sum over its layers: each layer counts the
     lesser of that and its recompute (only the recompute where ``ok``, tasks.stashable_layers, says
     it has no stash variant). Every lam in [0, 1] gives a valid bound; 1 leaves out the link, 0 the
@@ -611,7 +612,7 @@ def _backward_timer(profile: Profile, lam: float | None, bw_in: float, ok: np.nd
     def time(u, a, b):
         if u not in sums:
             c = profile.costs("BWD", u)
-            per = np.minimum(c.time, lam * (c.time - forward_costs(profile, u).time) + (1 - lam) * c.saved / bw_in)
+            per = np.minimum(c.time, lam * profile.stashed_backward(u) + (1 - lam) * c.saved / bw_in)
             per = per if ok is None else np.where(ok, per, c.time)
             sums[u] = np.concatenate([[0.0], np.cumsum(per)])
         a, b = np.asarray(a), np.asarray(b)

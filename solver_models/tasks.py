@@ -215,13 +215,6 @@ def min_packs(tasks: "Tasks", kind: int) -> np.ndarray:
     return best
 
 
-def forward_costs(profile: Profile, u: int):
-    """The forward costs a backward microbatch of size ``u`` recomputes, at the nearest profiled
-    forward size (as the simulator takes them)."""
-    lo, hi = profile.size_range("FWD")
-    return profile.costs("FWD", int(np.clip(u, lo, hi)))
-
-
 def candidate_cuts(profile: Profile, u_bwd: int, max_cuts: int = 129, keep=()) -> np.ndarray:
     """Layer boundaries where packs may start and end: all of them for models of up to
     ``max_cuts - 1`` layers; for longer models the boundaries that split the backward compute
@@ -312,8 +305,10 @@ def stashable_layers(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[
     uf, ub = collections.Counter(uf_list).items(), collections.Counter(ub_list).items()
     move = share * (sum(k * profile.costs("FWD", u).saved for u, k in uf) / bw_out
                     + sum(k * profile.costs("BWD", u).saved for u, k in ub) / bw_in)
-    recompute = sum(k * forward_costs(profile, u).time for u, k in ub)
-    return np.asarray(move[:R] <= recompute[:R], bool)
+    # what stashing saves: the recompute, less what the stash path's forward costs beyond the plain one
+    saves = sum(k * (profile.costs("BWD", u).time - profile.stashed_backward(u)) for u, k in ub) - \
+        sum(k * profile.stash_forward_extra(u) for u, k in uf)
+    return np.asarray(move[:R] <= saves[:R], bool)
 
 
 def boundary_hops(profile: Profile, hw: Hardware, cfg: Config, uf_list: list[int], ub_list: list[int],
@@ -423,6 +418,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     # ---- backward packs (variants) and the criterion pack
     rebatch = cfg.u_fwd != cfg.u_bwd
     exposed = np.concatenate([[0.0], np.cumsum(stash_out_exposed(profile, uf_list, bw_out))])
+    stash_extra = np.concatenate([[0.0], np.cumsum(sum(profile.stash_forward_extra(u) for u in uf_list))])
 
     def backward(kind, s, e, recompute, gpu_opt):
         w = profile.param_bytes(s, e)
@@ -433,15 +429,14 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         load = total("BWD", ub_list, lambda c: c.pack_time(s, e)) + mb * issues
         hop_extra = 0.0
         if not recompute:     # the backward skips the forward it would recompute ...
-            def fwd_of(c):
-                return np.minimum(forward_costs(profile, c.u).pack_time(s, e), c.pack_time(s, e))
-
             def step(c):      # ... but each microbatch waits for its saved activations to come in
+                own = profile.stashed_backward_time(c.u, s, e)
                 if serial:    # (then computes; the transfer at its full bandwidth, on the rank's one engine)
-                    return c.pack_time(s, e) - fwd_of(c) + c.pack_saved(s, e) / hw.h2d_bandwidth + lat_in + issues
-                return np.maximum(c.pack_time(s, e) - fwd_of(c), c.pack_saved(s, e) / bw_in + lat_in) + issues
+                    return own + c.pack_saved(s, e) / hw.h2d_bandwidth + lat_in + issues
+                return np.maximum(own, c.pack_saved(s, e) / bw_in + lat_in) + issues
             p_first, p_last = step(cb_first), step(cb_last)
-            load = total("BWD", ub_list, step)
+            # the forward packs run its layers on the stash path, keeping their graphs
+            load = total("BWD", ub_list, step) + stash_extra[e + 1] - stash_extra[s]
             hop_extra = cb_first.pack_saved(s, e) / bw_in + lat_in
             if not serial:    # the forward packs send them out: what the forward compute does not hide
                 load = load + exposed[e + 1] - exposed[s]

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings, strategies 
 
 from harmony_opt import get_hardware, load_profile
 from harmony_opt.core.errors import InfeasibleError
+from harmony_opt.fuzzing import with_stash_times
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.plan import data_shares, split_microbatches
 from harmony_opt.core.profile import Profile
@@ -68,7 +69,7 @@ def cpu_like_profile(R: int, seed: int, fwd_sizes=(1, 2, 4, 8), bwd_sizes=(1, 2,
             frames.append(pd.DataFrame({"phase": phase, "microbatch": int(u), "layer": np.arange(R),
                                         "gpu_time_s": time, "peak_memory_bytes": peak.astype(np.int64),
                                         "input_bytes": act.astype(np.int64), "saved_bytes": saved.astype(np.int64)}))
-    return Profile(name, layers, pd.concat(frames, ignore_index=True), {"model": name})
+    return Profile(name, layers, with_stash_times(pd.concat(frames, ignore_index=True), seed), {"model": name})
 
 
 def server(gpus: int, link: float, cap: int, p2p: float = 0.0) -> Hardware:

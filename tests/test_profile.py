@@ -155,3 +155,32 @@ def test_saved_activations_estimated_beyond_the_backward_sizes_grow_with_the_mic
     assert at11.sum() == pytest.approx(at9.sum() * 11 / 9, rel=1e-6)
     assert np.all(at11 >= p.costs("FWD", 11).input[:-1])
     assert at11.sum() > 10 * p.costs("FWD", 11).input[:-1].sum()
+
+
+def test_stash_times_give_the_stash_path_and_their_absence_the_old_estimate(tmp_path):
+    """``stash_time_s`` (optional): the stashing forward's extra over the plain one (never negative) and
+    the backward from a kept graph; without it, no extra and the backward less the forward."""
+    micro = GOOD_MICRO.replace("input_bytes\n", "input_bytes,stash_time_s\n")
+    micro = micro.replace("FWD,1,0,0.1,100,4\n", "FWD,1,0,0.1,100,4,0.15\n").replace(
+        "FWD,1,1,0.1,100,4\n", "FWD,1,1,0.1,100,4,0.05\n").replace(
+        "BWD,1,0,0.2,200,4\n", "BWD,1,0,0.2,200,4,0.07\n").replace("BWD,1,1,0.2,200,4\n", "BWD,1,1,0.2,200,4,0.09\n")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    p = Profile.load(_write(tmp_path / "new", GOOD_LAYERS, micro))
+    assert p.has_stash_times
+    assert list(p.stash_forward_extra(1)) == pytest.approx([0.05, 0.0])
+    assert list(p.stashed_backward(1)) == pytest.approx([0.07, 0.09])
+    assert p.stashed_backward_time(1, 0, 1) == pytest.approx(0.16)
+    scaled = p.with_compute_scale(2.0)
+    assert list(scaled.stash_forward_extra(1)) == pytest.approx([0.1, 0.0])
+    assert scaled.stashed_backward_time(1, 0, 1) == pytest.approx(0.32)
+    old = Profile.load(_write(tmp_path / "old", GOOD_LAYERS, GOOD_MICRO))
+    assert not old.has_stash_times and list(old.stash_forward_extra(1)) == [0.0, 0.0]
+    assert list(old.stashed_backward(1)) == pytest.approx([0.1, 0.1])
+
+
+def test_a_missing_stash_time_names_the_row(tmp_path):
+    micro = GOOD_MICRO.replace("input_bytes\n", "input_bytes,stash_time_s\n").replace(",4\n", ",4,0.1\n")
+    micro = micro.replace("BWD,1,1,0.2,200,4,0.1\n", "BWD,1,1,0.2,200,4,\n")
+    with pytest.raises(ProfileError, match="row 5, column stash_time_s"):
+        Profile.load(_write(tmp_path, GOOD_LAYERS, micro))

@@ -59,6 +59,26 @@ def test_time_runs_stops_at_once_on_tight_runs_and_at_the_cap_on_a_wandering_med
     assert (wander.runs, wander.settled) == (6, False) and wander.seconds == 3.5
 
 
+def test_time_runs_with_a_setup_times_only_the_run_each_setup_feeds():
+    """A backward needs a fresh graph per run: ``setup`` makes it before each run (warm-up too), outside
+    the timed part; a clock read inside ``setup`` would be timed otherwise."""
+    made, used = [], []
+    now = [0.0]
+
+    def setup():
+        now[0] += 100.0                 # the untimed forward
+        made.append(len(made))
+        return made[-1]
+
+    def run(arg):
+        now[0] += 1.0
+        used.append(arg)
+
+    t = time_runs(run, repeats=3, max_repeats=3, warmup=1, setup=setup, clock=lambda: now[0])
+    assert t.seconds == 1.0 and t.runs == 3
+    assert used == made == [0, 1, 2, 3]
+
+
 def test_repeat_counts_are_checked():
     assert check_repeats(5, None, 1) == 20
     for repeats, cap, warmup in ((0, None, 1), (3, 2, 1), (3, None, -1)):

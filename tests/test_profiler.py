@@ -55,6 +55,15 @@ def test_profile_values_are_consistent_with_the_model(gpt2_profile):
     assert (micro.gpu_time_s > 0).all()
 
 
+def test_profile_times_the_stash_path_of_every_layer(gpt2_profile):
+    """Every row has its stash-path time; the backward from a kept graph skips the forward a recomputing
+    backward repeats, so over the model it is well below the recomputing backward."""
+    _, prof = gpt2_profile
+    assert prof.has_stash_times and (prof.microbatch.stash_time_s > 0).all()
+    for u in (1, 2):
+        assert prof.stashed_backward(u).sum() < 0.9 * prof.costs("BWD", u).time.sum()
+
+
 def test_saved_bytes_counts_activations_not_parameters():
     linear, x = nn.Linear(16, 4), torch.randn(8, 16)
     assert saved_bytes(linear, x) == x.numel() * 4          # Linear saves its input; its weight is excluded

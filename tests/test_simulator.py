@@ -465,3 +465,44 @@ def test_the_lower_bound_holds_with_the_hardwares_execution_terms(case, terms, f
     need = max(Expansion.task_memory(plan, prof, t) for t in tasks_of(plan) if t.kind != TaskKind.UPD)
     cap = int(need / frac)      # tight caps: weights must come in, which the bound counts
     assert lower_bound(prof, hw, plan.batch, cap)["bound_s"] <= simulate(plan, prof, hw, memory_cap=cap).iteration_time
+
+
+def _with_stash_times(prof: Profile, fwd: float, bwd: float) -> Profile:
+    """``prof`` with stash-path times: each forward ``fwd`` x its plain one, each backward ``bwd`` x its
+    recomputing one."""
+    m = prof.microbatch
+    return Profile(prof.name, prof.layers, m.assign(stash_time_s=m.gpu_time_s * m.phase.map({"FWD": fwd, "BWD": bwd})),
+                   prof.meta)
+
+
+def test_a_stashed_pack_costs_its_measured_stash_path():
+    """With stash times in the profile, the forward of the stashed layers costs their stashing forward and
+    the stashed pack's backward its measured backward from the kept graph; a recompute plan is unchanged."""
+    base = synthetic_profile(R=4)
+    prof = _with_stash_times(base, fwd=1.5, bwd=0.3)
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(1), p2p_bandwidth=0.0)
+    plan = Plan("t", "vPP", 1, 4, 2, 2, [(0, 1)], [(0, 1), (2, 3)], 4,
+                options=(PackOptions(recompute=False), PackOptions()))
+    dur = lambda ev, q: float((ev.query(q).end - ev.query(q).start).sum())  # noqa: E731
+    ev = simulate(plan, prof, hw).events
+    assert dur(ev, "kind == 'FWD'") == pytest.approx(2 * 1.5 * base.fwd_time(0, 1, 2), rel=1e-9)
+    assert dur(ev, "kind == 'BWD' and pack == '0-1'") == pytest.approx(2 * 0.3 * base.bwd_time(0, 1, 2), rel=1e-9)
+    # without stash times: the plain forward, and the backward less the forward
+    ev = simulate(plan, base, hw).events
+    assert dur(ev, "kind == 'FWD'") == pytest.approx(2 * base.fwd_time(0, 1, 2), rel=1e-9)
+    assert dur(ev, "kind == 'BWD' and pack == '0-1'") == pytest.approx(
+        2 * (base.bwd_time(0, 1, 2) - base.fwd_time(0, 1, 2)), rel=1e-9)
+    recompute = dataclasses.replace(plan, options=())
+    assert simulate(recompute, prof, hw).iteration_time == pytest.approx(simulate(recompute, base, hw).iteration_time,
+                                                                         rel=1e-12)
+
+
+def test_only_the_stashed_layers_of_a_forward_pack_run_the_stash_path():
+    """A forward pack over two backward packs, one stashed: only that one's layers cost the stash forward."""
+    base = synthetic_profile(R=5)
+    prof = _with_stash_times(base, fwd=2.0, bwd=0.5)
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(1), p2p_bandwidth=0.0)
+    plan = Plan("t", "vPP", 1, 2, 2, 2, [(0, 3)], [(0, 1), (2, 3), (4, 4)], 5,
+                options=(PackOptions(), PackOptions(recompute=False), PackOptions()))
+    ev = simulate(plan, prof, hw).events.query("kind == 'FWD'")
+    assert float((ev.end - ev.start).sum()) == pytest.approx(base.fwd_time(0, 3, 2) + base.fwd_time(2, 3, 2), rel=1e-9)

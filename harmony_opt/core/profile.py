@@ -17,7 +17,10 @@ A Profile is two tables (DESIGN.md):
   storage once, as a recompute's graph holds them), ``saved_input_bytes`` and
   ``saved_output_bytes`` (how many of those are the layer's own input, which a
   recompute shares with the input the runtime holds anyway, and its output, which
-  the next layer of a pack may save again), ``saved_tensors`` (how many tensors those are).
+  the next layer of a pack may save again), ``saved_tensors`` (how many tensors those are),
+  ``stash_time_s`` (the phase's time on the stash-instead-of-recompute path: FWD the forward
+  that records its graph for the backward, BWD the backward from that graph without a
+  recompute; :meth:`Profile.stash_forward_extra`, :meth:`Profile.stashed_backward`).
 
 plus ``meta.json`` (``precision``: "fp32", or "bf16" for a profile measured under bf16 autocast,
 :mod:`harmony_opt.core.precision`; absent means fp32). Every quantity of a contiguous pack ``[a, b]`` (inclusive) at a
@@ -67,7 +70,7 @@ MICROBATCH_COLUMNS = {
 TENSOR_COUNT_COLUMNS = {"param_tensors": "int", "buffer_tensors": "int", "optimizer_state_tensors": "int"}
 OPTIONAL_LAYER_COLUMNS = {**TENSOR_COUNT_COLUMNS, "cast_bytes": "int"}
 OPTIONAL_MICROBATCH_COLUMNS = {"saved_bytes": "int", "saved_storage_bytes": "int", "saved_input_bytes": "int",
-                               "saved_output_bytes": "int", "saved_tensors": "int"}
+                               "saved_output_bytes": "int", "saved_tensors": "int", "stash_time_s": "float"}
 _RECOMPUTE_COLUMNS = ("saved_storage_bytes", "saved_input_bytes", "saved_output_bytes")
 
 #: Anything above this is not a per-layer quantity of a real model (1 PB); it flags unit mistakes.
@@ -95,9 +98,10 @@ class PhaseCosts:
     _pm: np.ndarray = dataclasses.field(repr=False)
     _px: np.ndarray = dataclasses.field(repr=False)
     _ps: np.ndarray = dataclasses.field(repr=False)
+    stash: np.ndarray | None = None     # per layer, the phase's time on the stash path, where measured
 
     @classmethod
-    def build(cls, phase: str, u: int, time, memory, inputs, saved) -> "PhaseCosts":
+    def build(cls, phase: str, u: int, time, memory, inputs, saved, stash=None) -> "PhaseCosts":
         z = np.zeros(1)
         return cls(
             phase, u, time, memory, inputs, saved,
@@ -105,6 +109,7 @@ class PhaseCosts:
             np.concatenate([[0], np.cumsum(memory)]).astype(np.int64),
             np.concatenate([[0], np.cumsum(inputs)]).astype(np.int64),
             np.concatenate([[0], np.cumsum(saved)]).astype(np.int64),
+            stash,
         )
 
     @property
@@ -167,6 +172,13 @@ class Profile:
             tables[phase] = (sizes, get("gpu_time_s", np.float64),
                              get("peak_memory_bytes", np.float64), get("input_bytes", np.int64), saved)
         object.__setattr__(self, "_tables", tables)
+        stash = {}
+        for phase in PHASES:
+            rows = self.microbatch[self.microbatch["phase"] == phase]
+            stash[phase] = None if "stash_time_s" not in rows else rows.pivot(
+                index="microbatch", columns="layer", values="stash_time_s").reindex(
+                index=tables[phase][0], columns=range(R)).to_numpy(np.float64)
+        object.__setattr__(self, "_stash", stash)
         bwd = self.microbatch[self.microbatch["phase"] == "BWD"]
         recompute = None
         if set(_RECOMPUTE_COLUMNS) <= set(bwd):
@@ -233,6 +245,8 @@ class Profile:
             scaled = copy.copy(self)
             object.__setattr__(scaled, "_tables", {ph: (sizes, t * scale, *rest)
                                                    for ph, (sizes, t, *rest) in self._tables.items()})
+            object.__setattr__(scaled, "_stash", {ph: None if t is None else t * scale
+                                                  for ph, t in self._stash.items()})
             object.__setattr__(scaled, "_cache", {})
             self._cache[key] = scaled
         return scaled
@@ -253,23 +267,72 @@ class Profile:
             raise ProfileError(
                 f"{self.name}: microbatch {u} is outside the profiled {phase} range {lo}..{hi}; "
                 f"choose a size in that range or profile more sizes")
+        st = self._stash[phase]
         k = int(np.searchsorted(sizes, u))
         if sizes[k] == u:
             time, mem = t[k].copy(), m[k]
             saved = s[k] if s is not None else None
+            stash = st[k].copy() if st is not None else None
         else:
             # Same arithmetic as numpy.interp, vectorized over layers (bit-identical results).
             x0, x1 = sizes[k - 1], sizes[k]
             lerp = lambda a: (a[k] - a[k - 1]) / (x1 - x0) * (u - x0) + a[k - 1]  # noqa: E731
             time, mem = lerp(t), lerp(m)
             saved = lerp(s) if s is not None else None
+            stash = lerp(st) if st is not None else None
         memory = np.trunc(mem).astype(np.int64)
         inputs = np.append(self.input_bytes_at(u), 0).astype(np.int64)
         if saved is None:
             saved_b = _estimate_saved(self, phase, u, memory, inputs)
         else:
             saved_b = np.trunc(saved).astype(np.int64)
-        return PhaseCosts.build(phase, u, time, memory + self._peak_pad(phase), inputs, saved_b)
+        return PhaseCosts.build(phase, u, time, memory + self._peak_pad(phase), inputs, saved_b, stash)
+
+    # -- the stash path ------------------------------------------------------------------------
+    @property
+    def has_stash_times(self) -> bool:
+        """Whether the profile measured each phase on the stash path (``stash_time_s``)."""
+        return all(t is not None for t in self._stash.values())
+
+    def stash_forward_extra(self, u: int) -> np.ndarray:
+        """Per layer, at forward microbatch ``u``: what the forward of a stashed layer costs beyond the
+        plain forward (its graph, the saved-tensor hooks), at least 0; zeros where not measured."""
+        key = ("stash_forward_extra", int(u))
+        if key not in self._cache:
+            c = self.costs("FWD", u)
+            self._cache[key] = np.zeros(self.num_layers) if not self.has_stash_times \
+                else np.maximum(c.stash - c.time, 0.0)
+        return self._cache[key]
+
+    def stashed_backward(self, u: int) -> np.ndarray:
+        """Per layer, at backward microbatch ``u``: the backward of a stashed layer, without a recompute.
+        As measured where the profile has stash times; else the backward less the forward (at the
+        nearest profiled forward size), negative where a layer's backward measured less than its
+        forward: a stashed pack costs the sum over its layers, at least 0 (``stashed_backward_time``)."""
+        key = ("stashed_backward", int(u))
+        if key not in self._cache:
+            if self.has_stash_times:
+                self._cache[key] = self.costs("BWD", u).stash
+            else:
+                self._cache[key] = self.costs("BWD", u).time - self._recomputed(u).time
+        return self._cache[key]
+
+    def stashed_backward_time(self, u: int, a, b):
+        """The backward of a stashed pack [a, b] at microbatch ``u`` (ints or arrays): the sum of
+        ``stashed_backward`` over its layers, at least 0."""
+        if self.has_stash_times:
+            key = ("stashed_backward_prefix", int(u))
+            if key not in self._cache:
+                self._cache[key] = np.concatenate([[0.0], np.cumsum(self.stashed_backward(u))])
+            prefix = self._cache[key]
+            return np.maximum(prefix[np.add(b, 1)] - prefix[a], 0.0)
+        return np.maximum(self.costs("BWD", u).pack_time(a, b) - self._recomputed(u).pack_time(a, b), 0.0)
+
+    def _recomputed(self, u: int) -> PhaseCosts:
+        """The forward costs a backward microbatch of ``u`` samples recomputes: at the nearest profiled
+        forward size."""
+        lo, hi = self.size_range("FWD")
+        return self.costs("FWD", int(np.clip(u, lo, hi)))
 
     # -- the allocator's rounding ------------------------------------------------------------
     @property
@@ -615,7 +678,13 @@ def _validate(layers: pd.DataFrame, micro: pd.DataFrame, source: str) -> None:
         if phase not in phases:
             raise ProfileError(f"{mf}: no rows for phase {phase}; profile at least one microbatch size per phase")
     for col, limit, unit in (("peak_memory_bytes", _MAX_BYTES, "bytes"), ("input_bytes", _MAX_BYTES, "bytes"),
-                             ("gpu_time_s", _MAX_SECONDS, "s")):
+                             ("gpu_time_s", _MAX_SECONDS, "s"), ("stash_time_s", _MAX_SECONDS, "s")):
+        if col not in micro:
+            continue
+        if col == "stash_time_s" and micro[col].isna().any():
+            i = int(np.flatnonzero(micro[col].isna().to_numpy())[0])
+            raise ProfileError(f"{mf}: row {i + 2}, column {col}: missing; a profile with stash times needs one "
+                               f"in every row (or drop the column)")
         over = micro[col].to_numpy() > limit
         if over.any():
             i = int(np.flatnonzero(over)[0])

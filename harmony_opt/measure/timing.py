@@ -64,12 +64,17 @@ def check_repeats(repeats: int, max_repeats: int | None, warmup: int) -> int:
     return cap
 
 
-def time_runs(fn: Callable[[], object], dev: torch.device | str = "cpu", *, repeats: int = 5,
+def time_runs(fn: Callable[..., object], dev: torch.device | str = "cpu", *, repeats: int = 5,
               max_repeats: int | None = None, warmup: int = 1, rel_tol: float = REL_TOL,
-              clock: Callable[[], float] = time.perf_counter) -> Timing:
-    """Time ``fn`` as the module docstring says; ``clock`` is the CPU's wall clock (replaceable in tests)."""
+              clock: Callable[[], float] = time.perf_counter,
+              setup: Callable[[], object] | None = None) -> Timing:
+    """Time ``fn`` as the module docstring says; ``clock`` is the CPU's wall clock (replaceable in tests).
+    With ``setup``, each run is ``fn(setup())`` and only ``fn`` is timed: a backward needs a fresh graph
+    from a forward that is not part of its time."""
     cap = check_repeats(repeats, max_repeats, warmup)
     dev = torch.device(dev)
+    if setup is not None:
+        fn = _SetUp(fn, setup)
     for _ in range(warmup):
         fn()
     _sync(dev)
@@ -84,22 +89,40 @@ def time_runs(fn: Callable[[], object], dev: torch.device | str = "cpu", *, repe
     return Timing(med, len(samples), dropped, settled)
 
 
+class _SetUp:
+    """``fn`` whose argument ``setup`` makes before each run, outside the timed part (``_batch``)."""
+
+    def __init__(self, fn, setup):
+        self.fn, self.setup = fn, setup
+
+    def __call__(self):
+        return self.fn(self.setup())
+
+
 def _batch(fn, dev: torch.device, n: int, clock) -> list[float]:
-    """Seconds of each of ``n`` runs of ``fn``."""
+    """Seconds of each of ``n`` runs of ``fn`` (of its timed part, for a ``_SetUp``)."""
+    if isinstance(fn, _SetUp):
+        prepare, run = fn.setup, fn.fn
+    else:
+        prepare, run = (lambda: None), (lambda _: fn())
     if dev.type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         for s, e in zip(starts, ends):
+            arg = prepare()
             s.record()
-            fn()
+            run(arg)
             e.record()
+            del arg
         torch.cuda.synchronize(dev)
         return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
     out = []
     for _ in range(n):
+        arg = prepare()
         t0 = clock()
-        fn()
+        run(arg)
         out.append(clock() - t0)
+        del arg
     return out
 
 

@@ -7,9 +7,10 @@ packing and per-pack options, an iteration needs at least:
   once; at best each at its most efficient profiled size per sample, spread evenly over
   all GPUs: ``D * sum_l min(min_u tB(u,l)/u, min_u tF(u,l)/u + min_u (tB(u,l) - tF(u,l))/u) / N``.
   A layer in the criterion pack runs only its backward (its forward inside), one recomputed
-  runs both, one stashed its forward and its backward less the forward: a pack skips the
-  forward as a whole (the simulator: its backward less its forward, at least 0), at least the
-  sum of its layers' differences, each as measured, negative where a layer's backward took
+  runs both, one stashed its forward (at least the plain one) and its backward without the
+  recompute (``Profile.stashed_backward``: as measured on the stash path, or else its backward
+  less its forward): the simulator charges a stashed pack the sum over its layers, at least 0,
+  which is at least the sum of its layers' values, negative where a layer's backward took
   less than its forward (a CPU profile's noise): clipped at 0 layer by layer, the bound passed
   plans on such profiles. Times are linear in u between profiled sizes, so each least per
   sample is at a profiled size (for the difference, of either phase; the forward at the
@@ -45,13 +46,11 @@ def lower_bound(profile: Profile, hw: Hardware, batch: int, memory_cap: int | No
     R = profile.num_layers
     profile = profile.with_compute_scale(hw.compute_scale)
     fs, bs = profile.sizes("FWD"), profile.sizes("BWD")
-    lo, hi = int(fs[0]), int(fs[-1])
     f_rate = np.min(np.stack([profile.costs("FWD", int(u)).time / u for u in fs]), axis=0)
     b_rate = np.min(np.stack([profile.costs("BWD", int(u)).time / u for u in bs]), axis=0)
-    # the backward less the forward per sample, as measured: at the sizes where either is profiled
+    # the stashed backward per sample: at the sizes where either phase is profiled
     at = sorted({int(u) for u in bs} | {int(u) for u in fs if bs[0] <= u <= bs[-1]})
-    b_only = np.min(np.stack([(profile.costs("BWD", u).time - profile.costs("FWD", int(np.clip(u, lo, hi))).time) / u
-                              for u in at]), axis=0)
+    b_only = np.min(np.stack([profile.stashed_backward(u) / u for u in at]), axis=0)
     compute = batch * max(float(np.sum(np.minimum(b_rate, f_rate + b_only))), 0.0)
     wb = int(profile.param_bytes(0, R - 1) + profile.buffer_bytes(0, R - 1))
     k = int(profile.optimizer_bytes(0, R - 1))

@@ -48,7 +48,6 @@ import gc
 import heapq
 from collections import defaultdict
 
-import numpy as np
 import pandas as pd
 
 from ..core.errors import PlanError
@@ -57,7 +56,7 @@ from ..core.kinds import Medium, TaskKind, Tensor
 from ..core.plan import Plan, backward_instructions, in_order, transfer_key
 from ..core.profile import Profile
 from ..core.units import fmt_bytes
-from .taskgraph import SOURCE_TENSOR, Task, TaskNode, compose, placement, task_memories, task_memory
+from .taskgraph import SOURCE_TENSOR, Task, TaskNode, compose, placement, stashed_ranges, task_memories, task_memory
 from .timeline import Timeline, memory_steps
 
 STREAMS = ("compute", "swap_in_w", "swap_in", "swap_out", "p2p", "cpu", "net")
@@ -159,6 +158,7 @@ class Expansion:
         self.reduced: dict[Task, int] = {}              # BWD task -> its all-reduce (vDP with a GPU link)
         self.labels: dict[tuple, str] = {}              # pack -> "first-last"
         self.spans = hw.servers_used(plan.gpus) > 1     # ranks on several servers
+        self.stashed = stashed_ranges(plan)             # forward pack -> layers it runs on the stash path
 
     # -- memory rules ------------------------------------------------------------------------
     @staticmethod
@@ -317,6 +317,7 @@ class Expansion:
         recompute = fwd or plan.options[node.bwd_index].recompute
         # the executor's instructions per microbatch: a forward; a recompute and a backward, or a backward
         issues = 1 if fwd else backward_instructions(recompute)
+        stashed = self.stashed.get((a, b), []) if fwd else []
         scale, issue = self.hw.compute_scale, self.hw.issue_overhead_s
         durations: dict[int, float] = {}
         for i, u in enumerate(node.microbatches):
@@ -336,11 +337,14 @@ class Expansion:
             # -- compute
             dur = durations.get(u)
             if dur is None:
-                ci = costs if u == nominal else prof.costs(phase, u)
-                dur = float(ci.pack_time(a, b))
-                if not recompute:       # stashed activations: no recompute of the pack's forward
-                    dur -= float(prof.costs("FWD", int(np.clip(u, *prof.size_range("FWD")))).pack_time(a, b))
-                    dur = max(dur, 0.0)
+                if recompute:
+                    ci = costs if u == nominal else prof.costs(phase, u)
+                    dur = float(ci.pack_time(a, b))
+                    if stashed:         # a forward keeping the graph of the layers a stash pack saves
+                        extra = prof.stash_forward_extra(u)
+                        dur += float(sum(extra[lo:hi + 1].sum() for lo, hi in stashed))
+                else:                   # stashed activations: no recompute of the pack's forward
+                    dur = float(prof.stashed_backward_time(u, a, b))
                 dur = durations[u] = dur * scale + issues * issue
             cdeps = in_dep + [w_in] + ([computes[-1]] if computes else [])
             comp = self.add(r, "compute", phase, node, i, dur, 0, cdeps, alloc=(mem - wb - kept_in) if i == 0 else 0)

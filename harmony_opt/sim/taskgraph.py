@@ -176,6 +176,13 @@ def stash_pieces(plan: Plan, a: int, b: int) -> list[tuple[int, int, int]]:
     return _stash_map(plan)[0].get((a, b), [])
 
 
+def stashed_ranges(plan: Plan) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """Per forward pack, the layer ranges whose graph it keeps for stash packs (their saved activations):
+    the forward of those layers runs on the stash path (Profile.stash_forward_extra)."""
+    return {f: [(lo, hi) for bi, lo, hi in pieces if not plan.options[bi].recompute]
+            for f, pieces in _stash_map(plan)[0].items()}
+
+
 def _stash_map(plan: Plan) -> tuple[dict, dict]:
     """``stash_pieces`` of every forward pack (keyed by pack) and, per backward pack, its pieces as
     (forward pack index, first, last layer); O(packs) with binary search over the forward packs."""
