@@ -36,7 +36,7 @@ import pandas as pd
 
 from .core.errors import UsageError
 from .core.hardware import Hardware
-from .core.plan import backward_instructions
+from .core.plan import backward_instructions, forward_instructions
 from .sim.matching import WORK, anchors as _anchors, event_key as _key, work_of
 from .sim.timeline import Timeline
 
@@ -322,11 +322,13 @@ def _prior(hw: Hardware, fixed_field: str | None) -> float:
 
 def _issues(plan) -> dict[tuple[str, str], int]:
     """(work, pack) -> instructions the executor issues per simulated compute event, as the simulator
-    charges ``issue_overhead_s``: a recomputing backward pack's recompute and backward, 2."""
+    charges ``issue_overhead_s``: a recomputing backward pack's recompute and backward, 2; a forward
+    pack's pieces (``forward_instructions``)."""
     if plan is None:
         return {}
-    return {("backward", f"{a}-{b}"): backward_instructions(o.recompute) for (a, b), o in
-            zip(plan.packs_bwd, plan.options)}
+    return {**{("backward", f"{a}-{b}"): backward_instructions(o.recompute) for (a, b), o in
+               zip(plan.packs_bwd, plan.options)},
+            **{("forward", f"{a}-{b}"): forward_instructions(plan.packs_bwd, a, b) for a, b in plan.packs_fwd}}
 
 
 def _neutral_slope(hw: Hardware, field: str) -> float:

@@ -14,7 +14,7 @@ from harmony_opt.calibrate import (CLOSE_TOLERANCE, _line, busy_by_work, calibra
 from harmony_opt.cli import main
 from harmony_opt.core.errors import UsageError
 from harmony_opt.core.hardware import Hardware
-from harmony_opt.core.plan import PackOptions, Plan
+from harmony_opt.core.plan import PackOptions, Plan, forward_instructions
 from harmony_opt.sim.simulator import simulate
 from harmony_opt.sim.timeline import Timeline
 
@@ -36,14 +36,16 @@ def _plan(mode="vPP", gpus=1, gpu_step=False) -> Plan:
 def _synthetic(tl: Timeline, n_ranks: int) -> Timeline:
     """The simulated step as a machine with known terms would run it: each event's duration from the
     neutral one by the terms (the start times do not matter to the fit); a compute event pays ISSUE
-    per instruction (a recomputing backward pack's event is two: the recompute and the backward)."""
+    per instruction (a recomputing backward pack's event is two: the recompute and the backward; a
+    forward pack's, one per piece the compiler cuts it into)."""
     ev = tl.events.copy()
     d = (ev.end - ev.start).to_numpy(dtype=float, copy=True)
     recomputes = {f"{a}-{b}" for (a, b), o in zip(_plan().packs_bwd, _plan().options) if o.recompute}
+    pieces = {f"{a}-{b}": forward_instructions(_plan().packs_bwd, a, b) for a, b in _plan().packs_fwd}
     for i, (s, k, b, p) in enumerate(zip(ev.stream, ev.kind, ev.bytes, ev.pack)):
         w = work_of(s, k)
         if w in ("forward", "backward"):
-            d[i] = COMPUTE * d[i] + ISSUE * (2 if w == "backward" and p in recomputes else 1)
+            d[i] = COMPUTE * d[i] + ISSUE * (pieces[p] if w == "forward" else 2 if p in recomputes else 1)
         elif w in ("weights in", "activations in"):
             d[i] = b / H2D_BW + H2D_LAT
         elif w in ("weights out", "activations out"):

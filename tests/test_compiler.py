@@ -10,9 +10,14 @@ from hypothesis import strategies as st
 
 from harmony_opt.compile.compiler import build_tasks, compile_plan, instruction_key, microbatch_rows
 from harmony_opt.core.errors import PlanError, ProgramError
-from harmony_opt.core.plan import PackOptions, Plan
+from harmony_opt.core.kinds import TaskKind
+from harmony_opt.core.plan import PackOptions, Plan, forward_instructions
+from harmony_opt.core.hardware import get_hardware
+from harmony_opt.sim.taskgraph import compose
 from harmony_opt.compile.program import Instr, Kind, LayerBytes, Program, Stream, Tensor, effects
 from harmony_opt.compile.validate import format_schedule, validate_program
+
+from conftest import synthetic_profile
 
 
 def make_plan(mode="vPP", gpus=1, batch=4, uf=2, ub=2, fwd=((0, 1), (2, 2)), bwd=((0, 2), (3, 5)), R=6,
@@ -391,3 +396,18 @@ def test_a_plans_transfer_order_is_the_programs_issue_order():
         Counter(x.replace(id=0, waits_on=()) for x in rule.ranks[0])
     with pytest.raises(PlanError, match="rank 0's swaps cannot be issued in that order"):
         compile_plan(p.replace(transfer_order=[(0, "swap_out", tuple(reversed(keys)))]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans())
+def test_the_simulator_counts_the_forward_instructions_the_compiler_issues(plan):
+    """A forward pack is issued as one instruction per piece (cut where a backward pack starts inside it);
+    the simulator charges ``issue_overhead_s`` per piece and microbatch (core.plan.forward_instructions)."""
+    if not plan.input_batch_grouping and plan.mode == "vDP" and plan.gpus > 1 and \
+            len({len(microbatch_rows(plan, "FWD", r)) for r in range(plan.gpus)}) > 1:
+        return          # refused by the compiler (test_every_compiled_program_validates)
+    counts = compile_plan(plan).counts()
+    nodes = compose(plan, synthetic_profile(R=plan.num_layers), get_hardware("1080ti-x4").with_gpus(plan.gpus))
+    charged = sum(len(n.microbatches) * forward_instructions(plan.packs_bwd, *n.pack)
+                  for n in nodes if n.kind == TaskKind.FWD)
+    assert counts["F"] + counts["FsA"] == charged

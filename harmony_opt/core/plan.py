@@ -75,6 +75,13 @@ def backward_instructions(recompute: bool) -> int:
     return 2 if recompute else 1
 
 
+def forward_instructions(packs_bwd, a: int, b: int) -> int:
+    """Instructions the executor issues per microbatch of the forward pack [a, b]: one per piece, the
+    compiler cutting it at the first layer of every backward pack inside it (where that pack's input
+    or saved activations leave for its backward)."""
+    return 1 + sum(1 for x, _ in packs_bwd if a < x <= b)
+
+
 def transfer_key(tensor: str, layer: int, offset: int, size: int) -> str:
     """The name of one transfer in ``Plan.transfer_order``: ``Y[12]@8+8``, tensor Y at layer 12, the
     microbatch of 8 samples from sample 8 of its GPU's share (whole-pack transfers: ``dW[4]@0+0``)."""

@@ -53,7 +53,7 @@ import pandas as pd
 from ..core.errors import PlanError
 from ..core.hardware import Hardware
 from ..core.kinds import Medium, TaskKind, Tensor
-from ..core.plan import Plan, backward_instructions, in_order, transfer_key
+from ..core.plan import Plan, backward_instructions, forward_instructions, in_order, transfer_key
 from ..core.profile import Profile
 from ..core.units import fmt_bytes
 from .taskgraph import SOURCE_TENSOR, Task, TaskNode, compose, placement, stashed_ranges, task_memories, task_memory
@@ -315,8 +315,9 @@ class Expansion:
         kept_in = dy_in.nbytes[0] if dy_in is not None and dy_in.medium == Medium.PIN else 0
         computes, task_outputs = [], []
         recompute = fwd or plan.options[node.bwd_index].recompute
-        # the executor's instructions per microbatch: a forward; a recompute and a backward, or a backward
-        issues = 1 if fwd else backward_instructions(recompute)
+        # the executor's instructions per microbatch: a forward per piece of the pack (forward_instructions);
+        # a recompute and a backward, or a backward
+        issues = forward_instructions(plan.packs_bwd, a, b) if fwd else backward_instructions(recompute)
         stashed = self.stashed.get((a, b), []) if fwd else []
         scale, issue = self.hw.compute_scale, self.hw.issue_overhead_s
         durations: dict[int, float] = {}
