@@ -177,7 +177,7 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
                     if remeasure:
                         kept_inputs.setdefault((signatures[-1], u), acts[u])
                     try:
-                        m, out = _measure(layer, acts[u], target, dev, timing, base, precision)
+                        m, out = _measure(layer, acts[u], target, dev, timing, base, precision, l > 0)
                     except torch.cuda.OutOfMemoryError:
                         if u == sizes[0]:
                             raise InfeasibleError(
@@ -205,7 +205,8 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
         for l, u in suspects:
             layer, target = model.layers[l], (batches[u][1] if l == R - 1 else None)
             with on_device(), _moved_to(layer, dev) as base:
-                m, _ = _measure(layer, kept_inputs[(signatures[l], u)], target, dev, timing, base, precision)
+                m, _ = _measure(layer, kept_inputs[(signatures[l], u)], target, dev, timing, base, precision,
+                                l > 0)
             for phase, t in (("FWD", m.fwd_time), ("BWD", m.bwd_time)):
                 at = (micro.phase == phase) & (micro.microbatch == u) & (micro.layer == l)
                 micro.loc[at, "gpu_time_s"] = micro.loc[at, "gpu_time_s"].clip(upper=t)   # the lower median
@@ -246,9 +247,12 @@ def _call(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None) -> tor
 
 
 def _measure(layer, x_host, target_host, dev, timing: dict, base,
-             precision: str = "fp32") -> tuple[Measurement, torch.Tensor | None]:
+             precision: str = "fp32", input_grad: bool = True) -> tuple[Measurement, torch.Tensor | None]:
     """FWD and BWD of one layer (already on ``dev``) at one size, under ``precision``'s autocast
     (the forward, and the backward's recompute; its backward outside, as torch runs it).
+
+    ``input_grad``: whether the backward computes the gradient of the input, as the executor does for
+    every layer but the first (the data needs none: a CNN's first convolution took 2.7x as long with it).
 
     Returns the measurement and the layer's output on the host (``None`` for the loss).
     Device tensors are local, so they are freed when this returns; ``base`` is the
@@ -270,7 +274,7 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base,
     del out   # the backward's peak must not count the forward's output
 
     def bwd():
-        xi = x.detach().requires_grad_(x.is_floating_point())
+        xi = x.detach().requires_grad_(input_grad and x.is_floating_point())
         with autocast(dev.type, precision):
             y = _call(layer, inner_view(xi), target)
         if y.requires_grad:
@@ -281,8 +285,8 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base,
     layer.zero_grad(set_to_none=True)   # the peak run allocates the gradients, as a first backward does
     _, bwd_peak = _peak(bwd, dev, base)
     bwd_time = time_runs(bwd, dev, **{**timing, "warmup": 0}).seconds
-    stash_fwd_time, stash_bwd_time = _stash_times(layer, x, target, grad_out, dev, timing, precision)
-    c = saved_counts(layer, x, target, precision=precision)
+    stash_fwd_time, stash_bwd_time = _stash_times(layer, x, target, grad_out, dev, timing, precision, input_grad)
+    c = saved_counts(layer, x, target, precision=precision, input_grad=input_grad)
     saved, casts = c.saved, c.cast_bytes
     x_bytes = tensor_bytes(x)
     if dev.type == "cpu":
@@ -294,7 +298,8 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base,
     return m, (None if target is not None else out_host)
 
 
-def _stash_times(layer, x, target, grad_out, dev, timing: dict, precision: str) -> tuple[float, float]:
+def _stash_times(layer, x, target, grad_out, dev, timing: dict, precision: str,
+                 input_grad: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of the layer on the stash path, through the executor's own hooks
     (``runtime.graph.Offload``): a forward that records its graph and hands each saved tensor to the
     hooks, which copy it to the host (on a GPU on a side stream, as the executor's swap-out stream; on
@@ -313,7 +318,7 @@ def _stash_times(layer, x, target, grad_out, dev, timing: dict, precision: str) 
     def forward():
         hooks = Offload(ids, dev, side, timed=side is None)
         hooks.graph = _Weights(params)
-        xi = x.detach().clone().requires_grad_(x.is_floating_point())
+        xi = x.detach().clone().requires_grad_(input_grad and x.is_floating_point())
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack), \
                 autocast(dev.type, precision):
             y = _call(layer, inner_view(xi), target)
@@ -414,14 +419,15 @@ class SavedCounts(NamedTuple):
 
 
 def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None = None, *,
-                 precision: str = "fp32") -> SavedCounts:
+                 precision: str = "fp32", input_grad: bool = True) -> SavedCounts:
     """Bytes of the activations autograd saves for ``layer``'s backward on input ``x``, counted three
     ways, for the three ways the runtime holds them: the larger of the next two (what a plan is
     priced with by default); each storage once (a recompute keeps the graph's tensors, views share
     their storage), every saved tensor as often as it is saved (a stashing pack copies each to
     the host and back); and how many of the storages' bytes are ``x``'s own (a recompute's graph
     shares them with the input the runtime holds anyway) and the output's (which the next layer
-    of a pack may save as its input: one storage, counted by both layers). The layer's own
+    of a pack may save as its input: one storage, counted by both layers); ``x`` needs a gradient
+    where ``input_grad`` (every layer's input but the first's, as the executor runs them). The layer's own
     parameters (and, but for a stash's copies, buffers) are excluded: they are resident anyway.
     ``tensors`` is how many tensors those bytes are in (the more of the storages and the copies),
     each of which a rounding allocator holds separately.
@@ -463,7 +469,7 @@ def saved_counts(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None 
     def unpack(_):
         raise RuntimeError("saved_bytes' graph is for counting only")
 
-    leaf = x.detach().requires_grad_(x.is_floating_point())
+    leaf = x.detach().requires_grad_(input_grad and x.is_floating_point())
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
             autocast(x.device.type, precision):
         y = _call(layer, inner_view(leaf), target)
