@@ -326,9 +326,10 @@ def _issues(plan) -> dict[tuple[str, str], int]:
     pack's pieces (``forward_instructions``)."""
     if plan is None:
         return {}
+    pieces = forward_instructions(plan.packs_fwd, plan.packs_bwd)
     return {**{("backward", f"{a}-{b}"): backward_instructions(o.recompute) for (a, b), o in
                zip(plan.packs_bwd, plan.options)},
-            **{("forward", f"{a}-{b}"): forward_instructions(plan.packs_bwd, a, b) for a, b in plan.packs_fwd}}
+            **{("forward", f"{a}-{b}"): n for (a, b), n in pieces.items()}}
 
 
 def _neutral_slope(hw: Hardware, field: str) -> float:

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, Phase, example, given, settings, strategies 
 
 from harmony_opt import get_hardware, load_profile
 from harmony_opt.core.errors import InfeasibleError
-from harmony_opt.fuzzing import with_stash_times
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.plan import data_shares, split_microbatches
 from harmony_opt.core.profile import Profile
+from harmony_opt.fuzzing import with_stash_times
 from harmony_opt.solver_models import chain, dp, search
 from harmony_opt.solver_models.bounds import compute_floor, config_bound, in_bound_order, pipeline_path_bound
 from harmony_opt.solver_models.options import configurations

@@ -41,7 +41,7 @@ def _synthetic(tl: Timeline, n_ranks: int) -> Timeline:
     ev = tl.events.copy()
     d = (ev.end - ev.start).to_numpy(dtype=float, copy=True)
     recomputes = {f"{a}-{b}" for (a, b), o in zip(_plan().packs_bwd, _plan().options) if o.recompute}
-    pieces = {f"{a}-{b}": forward_instructions(_plan().packs_bwd, a, b) for a, b in _plan().packs_fwd}
+    pieces = {f"{a}-{b}": n for (a, b), n in forward_instructions(_plan().packs_fwd, _plan().packs_bwd).items()}
     for i, (s, k, b, p) in enumerate(zip(ev.stream, ev.kind, ev.bytes, ev.pack)):
         w = work_of(s, k)
         if w in ("forward", "backward"):

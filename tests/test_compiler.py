@@ -408,6 +408,7 @@ def test_the_simulator_counts_the_forward_instructions_the_compiler_issues(plan)
         return          # refused by the compiler (test_every_compiled_program_validates)
     counts = compile_plan(plan).counts()
     nodes = compose(plan, synthetic_profile(R=plan.num_layers), get_hardware("1080ti-x4").with_gpus(plan.gpus))
-    charged = sum(len(n.microbatches) * forward_instructions(plan.packs_bwd, *n.pack)
+    pieces = forward_instructions(plan.packs_fwd, plan.packs_bwd)
+    charged = sum(len(n.microbatches) * pieces[n.pack]
                   for n in nodes if n.kind == TaskKind.FWD)
     assert counts["F"] + counts["FsA"] == charged

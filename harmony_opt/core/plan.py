@@ -36,6 +36,7 @@ every field and names the one that is wrong.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -75,11 +76,13 @@ def backward_instructions(recompute: bool) -> int:
     return 2 if recompute else 1
 
 
-def forward_instructions(packs_bwd, a: int, b: int) -> int:
-    """Instructions the executor issues per microbatch of the forward pack [a, b]: one per piece, the
-    compiler cutting it at the first layer of every backward pack inside it (where that pack's input
-    or saved activations leave for its backward)."""
-    return 1 + sum(1 for x, _ in packs_bwd if a < x <= b)
+def forward_instructions(packs_fwd, packs_bwd) -> dict[tuple[int, int], int]:
+    """Per forward pack [a, b], the instructions the executor issues per microbatch: one per piece, the
+    compiler cutting the pack at the first layer of every backward pack inside it (where that pack's
+    input or saved activations leave for its backward). Once per plan, by binary search: the
+    simulator asks for every forward task."""
+    starts = sorted(x for x, _ in packs_bwd)
+    return {(a, b): 1 + bisect.bisect_right(starts, b) - bisect.bisect_right(starts, a) for a, b in packs_fwd}
 
 
 def transfer_key(tensor: str, layer: int, offset: int, size: int) -> str:

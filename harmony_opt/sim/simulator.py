@@ -159,6 +159,7 @@ class Expansion:
         self.labels: dict[tuple, str] = {}              # pack -> "first-last"
         self.spans = hw.servers_used(plan.gpus) > 1     # ranks on several servers
         self.stashed = stashed_ranges(plan)             # forward pack -> layers it runs on the stash path
+        self.pieces = forward_instructions(plan.packs_fwd, plan.packs_bwd)   # forward pack -> instructions
 
     # -- memory rules ------------------------------------------------------------------------
     @staticmethod
@@ -317,7 +318,7 @@ class Expansion:
         recompute = fwd or plan.options[node.bwd_index].recompute
         # the executor's instructions per microbatch: a forward per piece of the pack (forward_instructions);
         # a recompute and a backward, or a backward
-        issues = forward_instructions(plan.packs_bwd, a, b) if fwd else backward_instructions(recompute)
+        issues = self.pieces[(a, b)] if fwd else backward_instructions(recompute)
         stashed = self.stashed.get((a, b), []) if fwd else []
         scale, issue = self.hw.compute_scale, self.hw.issue_overhead_s
         durations: dict[int, float] = {}
