@@ -10,7 +10,7 @@ import pytest
 
 from harmony_opt import get_hardware
 from harmony_opt.calibrate import (CLOSE_TOLERANCE, _line, busy_by_work, calibrate, close_step, fit_hardware,
-                                   idle_time, neutral, scaled, work_of)
+                                   idle_time, instruction_gap, instruction_gaps, neutral, scaled, work_of)
 from harmony_opt.cli import main
 from harmony_opt.core.errors import UsageError
 from harmony_opt.core.hardware import Hardware
@@ -312,6 +312,39 @@ def test_time_between_instructions_goes_into_each_fixed_cost_on_a_serial_device(
         _close(getattr(serial.hardware, field), getattr(overlapped, field) + gap)
     _close(serial.hardware.compute_scale, COMPUTE)
     assert any("between consecutive instructions" in n for n in serial.notes)
+
+
+def test_the_time_between_instructions_is_the_typical_gap_not_the_mean():
+    """A serial step whose instructions are 40 us apart but for three long hand-offs (3 ms: the CPU
+    optimizer taking a pack's gradients) charges each instruction 40 us: the long gaps are the step's,
+    not every instruction's (charged per instruction, they would make a plan of many small packs
+    predicted slow)."""
+    prof, plan = synthetic_profile(R=8), _plan()
+    hw = dataclasses.replace(HW.with_gpus(1), copy_overlap=False)
+    sim = simulate(plan, prof, neutral(hw))
+    gap, long = 40e-6, 3e-3
+    spaced = _serial(_synthetic(sim, 1), gap)
+    ev = spaced.events.sort_values("start").reset_index(drop=True)
+    for i in (5, 11, 17):                                     # three long gaps: every later event shifts
+        ev.loc[i:, ["start", "end"]] += long - gap
+    spaced = Timeline(ev, spaced.iteration_time + 3 * (long - gap), ranks=1, meta=spaced.meta)
+    gaps = instruction_gaps(spaced)
+    assert len(gaps) == len(ev) - 1 and np.sort(gaps)[-3:] == pytest.approx([long] * 3)
+    _close(instruction_gap(spaced), gap)
+    assert idle_time(spaced) / len(ev) > 2 * gap                # what the mean would have charged
+    serial = fit_hardware(spaced, sim, hw, plan).hardware
+    overlapped = fit_hardware(spaced, sim, dataclasses.replace(hw, copy_overlap=True), plan).hardware
+    _close(serial.issue_overhead_s, overlapped.issue_overhead_s + gap)
+
+
+def test_a_cpu_step_covers_the_time_between_instructions_it_runs_in():
+    """The CPU optimizer's steps run on a thread beside the rank's instructions: a gap they fill is not
+    the executor's idle time."""
+    rows = [(0, "compute", "BWD", 0, "0-0", 0, 0.0, 1.0, 0), (0, "swap_out", "dW", 1, "0-0", -1, 1.5, 2.0, 8),
+            (0, "cpu", "UPD", 2, "0-0", -1, 2.0, 3.5, 0), (0, "swap_in", "W", 3, "1-1", -1, 4.0, 4.5, 8),
+            (0, "compute", "FWD", 4, "1-1", 0, 4.6, 5.0, 0)]
+    gaps = instruction_gaps(Timeline.from_records(rows, 5.0, ranks=1))
+    assert gaps == pytest.approx([0.5, 0.5, 0.1])          # 2.0-4.0 less the CPU step's 2.0-3.5
 
 
 def test_closing_the_step_recovers_a_machine_uniformly_slower():
