@@ -11,10 +11,48 @@ Memory is pinned (page-locked) only when CUDA is available, so that copies to an
 the GPU are asynchronous; on a CPU-only machine pinning is impossible and useless.
 Host memory shared between processes (the master weights in multi-GPU runs) cannot be
 re-allocated as pinned memory, so :func:`pin_in_place` registers it with CUDA instead.
+
+Pageable host memory is kept once freed (:func:`keep_freed_memory`), as CUDA's caching allocator
+keeps device memory, so that the CPU device's swaps and the CPU optimizer do not pay the operating
+system for fresh pages every step.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
+
+#: glibc's mallopt parameters (malloc.h) and the largest value it takes (an int).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _INT_MAX = -1, -3, 2**31 - 1
+_kept: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed host memory in the process for reuse (process-wide; idempotent);
+    returns whether it could (False without glibc: nothing changes).
+
+    By default glibc maps each block above an adaptive threshold (at most 32 MB) fresh from the
+    operating system and unmaps it when freed, so every swap-in of a large tensor on the CPU device,
+    and every large gradient, paid a page fault per 4 KiB page: copying 206 MB (GPT-2 medium's
+    embedding) into fresh memory ran at 2.8 GB/s against 7.2 GB/s into kept memory on this project's
+    2-core test machine, and the same pack's weights took 0.35-2.3x their simulated time, by whether
+    the blocks happened to be reused. ``profile``, ``probe`` and the executor all call this, so that
+    what is measured is what runs."""
+    global _kept
+    if _kept is None:
+        _kept = False
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name) if name else None
+        except OSError:
+            libc = None
+        mallopt = getattr(libc, "mallopt", None)
+        if mallopt is not None and hasattr(libc, "gnu_get_libc_version"):
+            # a glibc that caps the threshold (at half its largest heap) still takes the dynamic one's top
+            mapped = any(mallopt(_M_MMAP_THRESHOLD, v) for v in (_INT_MAX, 32 * 2**20))
+            _kept = bool(mallopt(_M_TRIM_THRESHOLD, _INT_MAX)) and mapped
+    return _kept
 
 
 def can_pin() -> bool:

@@ -35,7 +35,7 @@ from torch import nn
 from harmony_opt.core import errors
 from harmony_opt.compile.program import Kind, Program
 
-from .buffers import pin_in_place
+from .buffers import keep_freed_memory, pin_in_place
 from .checkpoint import save_checkpoint
 from .comm import Comm
 from .executor import Executor
@@ -92,6 +92,7 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     """The training loop of one rank over ``batches`` (an iterable of minibatches, from start_step
     on); a checkpoint every ``checkpoint_every`` steps and after the last one."""
     device = torch.device(job.device if job.device != "cuda" else f"cuda:{comm.local_rank if comm else rank}")
+    keep_freed_memory()
     optim = PackOptimizers(job.layers, updated_packs(job.program, rank), job.factory, job.scheduler,
                            tie_schedule(job.program, job.layers, rank))
     if job.optimizer_state:

@@ -127,6 +127,7 @@ def probe_hardware(device: str = "cuda", sizes: tuple[int, ...] | None = None, *
     """Measure the machine (see the module docstring); ``device`` "cuda" or "cpu"; ``sizes``: transfer
     sizes in bytes (default DEFAULT_SIZES on a GPU, CPU_SIZES on the CPU); ``threads``: intra-op
     threads (default: the executor's)."""
+    from harmony_opt.runtime.buffers import keep_freed_memory
     from harmony_opt.runtime.optim import host_threads, intra_op_threads
 
     dev = resolve_device(device)
@@ -137,6 +138,7 @@ def probe_hardware(device: str = "cuda", sizes: tuple[int, ...] | None = None, *
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise UsageError(f"threads must be a whole number >= 1, got {threads!r}")
     threads = threads or host_threads(1, dev.type, torch.get_num_threads())
+    keep_freed_memory()         # freed memory kept for reuse, as the executor keeps it
     with intra_op_threads(threads):
         return _probe(dev, sizes, repeats, threads)
 

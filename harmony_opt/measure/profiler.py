@@ -127,8 +127,10 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
     if model.num_layers < 2:
         raise UsageError(f"model {model.name} has {model.num_layers} layer(s); it needs at least a body and a loss")
 
+    from harmony_opt.runtime.buffers import keep_freed_memory
     from harmony_opt.runtime.optim import host_threads, intra_op_threads
 
+    keep_freed_memory()         # freed memory kept for reuse, as the executor keeps it
     threads = threads or host_threads(1, dev.type, torch.get_num_threads())   # as the executor's one rank runs
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with intra_op_threads(threads):
