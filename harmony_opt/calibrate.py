@@ -13,7 +13,8 @@ plan and fits, by least squares over the matched events, the Hardware terms the 
 * GPU -> GPU sends where the trace times them (the CPU device: the sends and receives between
   ranks, matched per rank and microbatch): measured = bytes / p2p_bandwidth + p2p_latency_s
 * CPU optimizer steps: measured = cpu_optimizer_scale * profiled + cpu_optimizer_call_s
-* optimizer steps on the GPU: gpu_optimizer_bandwidth; the vDP all-reduce: collective_bandwidth
+* optimizer steps on the GPU: gpu_optimizer_bandwidth
+* the vDP all-reduce: measured = ring bytes / collective_bandwidth + collective_latency_s per call
 
 A fixed cost is fitted only where the matched groups tell it from the slope (at least
 ``MIN_FIXED_GROUPS``, and a significant gain by an F-test); elsewhere the input's (what ``probe``
@@ -47,7 +48,7 @@ TERMS = {
     "GPU -> host": (("weights out", "activations out"), "d2h_bandwidth", "d2h_latency_s"),
     "CPU step": (("CPU step",), "cpu_optimizer_scale", "cpu_optimizer_call_s"),
     "GPU step": (("GPU step",), "gpu_optimizer_bandwidth", None),
-    "all-reduce": (("all-reduce",), "collective_bandwidth", None),
+    "all-reduce": (("all-reduce",), "collective_bandwidth", "collective_latency_s"),
     "GPU to GPU": (("GPU to GPU",), "p2p_bandwidth", "p2p_latency_s"),
 }
 #: The terms priced per byte moved (the rest: per second of the neutral simulation's event), the kinds
@@ -58,7 +59,7 @@ COPY_BANDWIDTHS = tuple(TERMS[t][1] for t in BYTE_TERMS)
 
 #: The cost terms with their neutral values: the simulator then prices from the profile and bandwidths alone.
 NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s": 0.0, "d2h_latency_s": 0.0,
-                 "p2p_latency_s": 0.0,
+                 "p2p_latency_s": 0.0, "collective_latency_s": 0.0,
                  "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None,
                  "instruction_gap_s": 0.0}
 
@@ -101,7 +102,7 @@ def idle_time(timeline: Timeline, rank: int = 0) -> float:
 
 
 #: The fixed costs a rank that runs its instructions one at a time pays between them as well.
-GAP_FIELDS = ("issue_overhead_s", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s")
+GAP_FIELDS = ("issue_overhead_s", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s", "collective_latency_s")
 
 
 def instruction_gaps(measured: Timeline, rank: int = 0) -> np.ndarray:
@@ -304,7 +305,7 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
     if gap:
         notes.append(f"{gap * 1e6:.0f} us between consecutive instructions (the executor's own work and its "
                      f"untimed frees; the median gap) is added to every instruction's fixed cost: "
-                     f"issue_overhead_s, h2d_latency_s, d2h_latency_s and p2p_latency_s")
+                     f"{', '.join(GAP_FIELDS[:-1])} and {GAP_FIELDS[-1]}")
     issues = _issues(plan)
     for name, (works, slope_field, fixed_field) in TERMS.items():
         keys = [k for k in sim if k[1] in works and k in got]
@@ -461,7 +462,7 @@ CLOSE_TOLERANCE = 1e-3
 #: Hardware fields that time something, by how: multiplied (seconds, factors on seconds) or divided
 #: (bandwidths) by :func:`scaled`'s factor.
 TIME_FIELDS = ("compute_scale", "issue_overhead_s", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s",
-               "cpu_optimizer_scale", "cpu_optimizer_call_s", "instruction_gap_s")
+               "collective_latency_s", "cpu_optimizer_scale", "cpu_optimizer_call_s", "instruction_gap_s")
 RATE_FIELDS = ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                "gpu_optimizer_bandwidth", "collective_bandwidth", "network_bandwidth")
 

@@ -23,7 +23,7 @@ from conftest import synthetic_profile
 HW = get_hardware("1080ti-x4").with_gpus(2)
 #: the terms the synthetic step is made with
 COMPUTE, ISSUE, H2D_BW, H2D_LAT, D2H_BW, D2H_LAT, CPU_SCALE, CPU_CALL = 0.8, 50e-6, 2e9, 30e-6, 3e9, 20e-6, 1.5, 1e-3
-GPU_STEP_SLOWER, ALL_REDUCE_BW, P2P_BW, P2P_LAT = 2.0, 4e9, 5e9, 40e-6
+GPU_STEP_SLOWER, ALL_REDUCE_BW, ALL_REDUCE_LAT, P2P_BW, P2P_LAT = 2.0, 4e9, 300e-6, 5e9, 40e-6
 
 
 def _plan(mode="vPP", gpus=1, gpu_step=False) -> Plan:
@@ -55,7 +55,7 @@ def _synthetic(tl: Timeline, n_ranks: int) -> Timeline:
         elif w == "GPU step":
             d[i] = GPU_STEP_SLOWER * d[i]
         elif w == "all-reduce":
-            d[i] = 2 * (n_ranks - 1) / n_ranks * b / ALL_REDUCE_BW
+            d[i] = 2 * (n_ranks - 1) / n_ranks * b / ALL_REDUCE_BW + ALL_REDUCE_LAT
         elif w == "GPU to GPU":
             d[i] = b / P2P_BW + P2P_LAT
     ev["end"] = ev.start + d
@@ -98,8 +98,9 @@ def test_fit_recovers_known_terms_from_a_synthetic_step(mode, gpus, gpu_step):
         _close(got.gpu_optimizer_bandwidth, hw.gpu_optimizer_bandwidth / GPU_STEP_SLOWER)
     if mode == "vDP":
         _close(got.collective_bandwidth, ALL_REDUCE_BW)
+        _close(got.collective_latency_s, ALL_REDUCE_LAT)
     else:
-        assert got.collective_bandwidth is None
+        assert got.collective_bandwidth is None and got.collective_latency_s == 0
     if mode == "vPP" and gpus > 1:      # activations handed between GPUs
         _close(got.p2p_bandwidth, P2P_BW)
         _close(got.p2p_latency_s, P2P_LAT)

@@ -50,7 +50,7 @@ def test_unknown_preset():
 
 
 TERMS = dict(copy_overlap=False, h2d_latency_s=2e-5, d2h_latency_s=3e-5, compute_scale=0.75,
-             cpu_optimizer_call_s=1e-3, issue_overhead_s=5e-5, collective_bandwidth=2e9)
+             cpu_optimizer_call_s=1e-3, issue_overhead_s=5e-5, collective_bandwidth=2e9, collective_latency_s=4e-4)
 
 
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
@@ -61,6 +61,18 @@ def test_execution_terms_round_trip_through_files(tmp_path, suffix):
     assert back == hw and not back.neutral_terms
     assert back.all_reduce_bandwidth == 2e9 and PRESETS["1080ti-x4"].all_reduce_bandwidth == 8.2 * GiB
     assert back.without_execution_terms() == PRESETS["1080ti-x4"]
+
+
+def test_each_all_reduce_call_pays_the_collective_latency():
+    """An all-reduce costs its latency once per call on top of the ring's bytes, over an array of packs
+    too (the planner prices every candidate pack at once); one replica makes no call."""
+    import dataclasses
+    import numpy as np
+    hw = dataclasses.replace(PRESETS["1080ti-x4"], collective_bandwidth=2e9, collective_latency_s=4e-4)
+    w = np.array([0.0, 1e6, 8e6])
+    assert hw.allreduce_time(w, 2) == pytest.approx(w / 2e9 + 4e-4)
+    assert hw.allreduce_time(w, 4) == pytest.approx(1.5 * w / 2e9 + 4e-4)
+    assert hw.allreduce_time(1e6, 1) == 0.0
 
 
 def test_neutral_terms_are_left_out_of_what_plans_record_and_files_hold(tmp_path):
@@ -80,6 +92,7 @@ def test_neutral_terms_are_left_out_of_what_plans_record_and_files_hold(tmp_path
     ("cpu_optimizer_call_s = -0.001", "cpu_optimizer_call_s must be a finite number of seconds >= 0"),
     ("issue_overhead_s = inf", "issue_overhead_s must be a finite number of seconds >= 0, got inf"),
     ("collective_bandwidth = 0", "collective_bandwidth must be a positive finite bandwidth"),
+    ("collective_latency_s = -1e-4", "collective_latency_s must be a finite number of seconds >= 0"),
     ("copy_overlap = 1", "field copy_overlap must be true or false, got 1"),
 ])
 def test_bad_execution_terms_are_refused_in_one_line(tmp_path, line, fragment):

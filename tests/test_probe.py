@@ -75,8 +75,10 @@ def test_cpu_optimizer_has_a_cost_per_call():
 
 def test_issue_overhead_and_collective_are_sane():
     assert 0 <= measure_issue_overhead("cpu", repeats=3) < 0.05
-    bw = measure_collective((1 << 20,), repeats=2)
-    assert bw is None or bw > 1e6
+    fit = measure_collective((1 << 20, 8 << 20), repeats=2)
+    if fit is not None:
+        latency, bandwidth = latency_bandwidth(fit)
+        assert len(fit.points) == 3 and bandwidth > 1e6 and 0 <= latency < 0.05
 
 
 def test_a_gloo_send_costs_a_latency_and_bytes_over_a_bandwidth():

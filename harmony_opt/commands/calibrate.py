@@ -140,5 +140,6 @@ def _term_lines(cal, hw: Hardware) -> list[str]:
         out.append(f"GPU optimizer: {h.gpu_optimizer_bandwidth / 1e9:.3g} GB/s (was "
                    f"{hw.gpu_optimizer_bandwidth / 1e9:.3g})")
     if f["all-reduce"].points:
-        out.append(f"all-reduce: {h.collective_bandwidth / 1e9:.3g} GB/s")
+        out.append(f"all-reduce: {h.collective_bandwidth / 1e9:.3g} GB/s, {h.collective_latency_s * 1e6:.1f} us per "
+                   f"call ({f['all-reduce'].points} matched groups)")
     return out

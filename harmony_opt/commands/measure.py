@@ -93,7 +93,9 @@ def _probe(args):
           f"host->device {hw.h2d_latency_s * 1e6:.0f} us + {hw.h2d_bandwidth / 1e9:.1f} GB/s, device->host "
           f"{hw.d2h_latency_s * 1e6:.0f} us + {hw.d2h_bandwidth / 1e9:.1f} GB/s, "
           + (f"rank to rank {hw.p2p_latency_s * 1e6:.0f} us + {hw.p2p_bandwidth / 1e9:.1f} GB/s, "
-             if hw.p2p_bandwidth > 0 else "") + f"CPU optimizer "
+             if hw.p2p_bandwidth > 0 else "")
+          + (f"all-reduce {hw.collective_latency_s * 1e6:.0f} us + {hw.collective_bandwidth / 1e9:.2f} GB/s, "
+             if hw.collective_bandwidth else "") + f"CPU optimizer "
           f"{hw.cpu_optimizer_call_s * 1e6:.0f} us per call, {hw.issue_overhead_s * 1e6:.0f} us per compute "
           f"instruction, copies {'beside' if hw.copy_overlap else 'in line with'} compute")
 

@@ -63,6 +63,7 @@ class Hardware:
     cpu_optimizer_call_s: float = 0.0   # fixed seconds per CPU optimizer step (one per backward pack and rank)
     issue_overhead_s: float = 0.0    # fixed seconds per compute instruction (forward, recompute, backward, GPU step)
     collective_bandwidth: float | None = None   # bytes/s of the vDP gradient all-reduce; None = p2p_bandwidth
+    collective_latency_s: float = 0.0   # fixed seconds per all-reduce call (one per backward pack and sweep)
     instruction_gap_s: float = 0.0   # of each fixed cost above, the executor's own time between instructions
                                      # that calibrate measured and added (the CPU device); not charged apart
     description: str = ""
@@ -90,7 +91,7 @@ class Hardware:
         if not isinstance(self.copy_overlap, bool):
             raise HardwareError(f"{where}: copy_overlap must be true or false, got {self.copy_overlap!r}")
         for f in ("h2d_latency_s", "d2h_latency_s", "p2p_latency_s", "cpu_optimizer_call_s", "issue_overhead_s",
-                  "instruction_gap_s"):
+                  "collective_latency_s", "instruction_gap_s"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise HardwareError(f"{where}: {f} must be a finite number of seconds >= 0, got {v!r}")
@@ -154,12 +155,13 @@ class Hardware:
         a ring inside each server (reduce-scatter and all-gather, 2 (p-1)/p x nbytes per GPU at
         all_reduce_bandwidth, p ranks per server), between them a ring over the servers of each GPU's 1/p
         shard, the p shards sharing the server's network link (2 (S-1)/S x nbytes per server at
-        network_bandwidth). On one server, the ring all-reduce."""
+        network_bandwidth). On one server, the ring all-reduce. Each call also pays
+        ``collective_latency_s`` (the executor makes one per pack)."""
         p, s = min(gpus, self.gpus_per_server), self.servers_used(gpus)
         t = 2 * (p - 1) / p * nbytes / self.all_reduce_bandwidth if p > 1 else 0 * nbytes
         if s > 1:
             t = t + 2 * (s - 1) / s * nbytes / self.network_bandwidth
-        return t
+        return t + self.collective_latency_s if p > 1 or s > 1 else t
 
     def with_memory(self, cap_bytes: int) -> "Hardware":
         return dataclasses.replace(self, gpu_memory_bytes=int(cap_bytes))
@@ -231,7 +233,7 @@ class Hardware:
         for k in ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                   "cpu_optimizer_scale", "gpu_optimizer_bandwidth", "h2d_latency_s", "d2h_latency_s",
                   "p2p_latency_s", "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth",
-                  "instruction_gap_s", "network_bandwidth"):
+                  "collective_latency_s", "instruction_gap_s", "network_bandwidth"):
             if kw.get(k) is not None and (isinstance(kw[k], bool) or not isinstance(kw[k], (int, float))):
                 unit = "seconds" if k.endswith("_s") else "a factor" if k.endswith("scale") else "bytes/s"
                 raise HardwareError(f"{source}: field {k} must be a number ({unit}), got {kw[k]!r}")
@@ -265,7 +267,7 @@ class Hardware:
 EXECUTION_TERMS: dict = {f.name: f.default for f in dataclasses.fields(Hardware)
                          if f.name in ("copy_overlap", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s",
                                        "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s",
-                                       "collective_bandwidth", "instruction_gap_s")}
+                                       "collective_bandwidth", "collective_latency_s", "instruction_gap_s")}
 
 
 PRESETS: dict[str, Hardware] = {

@@ -49,12 +49,12 @@ predicts a run before any calibration:
   instruction of a rank in program order on one thread (only the optimizer steps go to a worker
   thread), so a swap never hides behind compute. On CUDA a host->GPU copy and a matmul are
   timed alone and together on two streams: True when together < 0.8 x alone summed.
-* ``collective_bandwidth``: on the CPU device a Gloo all-reduce between two ranks on loopback,
-  one tensor per call as ``runtime.comm`` reduces dW: bytes / seconds at the largest size up to
-  16 MiB (two process groups in two threads of this process, set up in milliseconds where a
-  second process would take seconds to import torch). With two ranks the simulator's ring charge
-  2 (n - 1) / n x bytes is the bytes. On CUDA it is left None (the simulator then uses
-  ``p2p_bandwidth``): NCCL needs a process per GPU.
+* ``collective_bandwidth`` and ``collective_latency_s``: on the CPU device a Gloo all-reduce between
+  two ranks on loopback, one tensor per call as ``runtime.comm`` reduces a pack's dW, fitted as
+  latency + bytes / bandwidth over 4 KiB to 16 MiB (two process groups in two threads of this
+  process, set up in milliseconds where a second process would take seconds to import torch). With
+  two ranks the simulator's ring charge 2 (n - 1) / n x bytes is the bytes. On CUDA they are left
+  None and 0 (the simulator then uses ``p2p_bandwidth``): NCCL needs a process per GPU.
 * ``p2p_bandwidth`` and ``p2p_latency_s`` on the CPU device: a Gloo send between the same two ranks to a
   receive posted before it, the way the executor hands an activation to another rank, fitted as
   latency + bytes / bandwidth over 4 KiB to 16 MiB (on a 2-core VM about 80 us + bytes / 3 GB/s).
@@ -155,13 +155,15 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
     terms = (f"{_describe_transfers(moves)}; {_describe_steps(steps)}; "
              f"per compute instruction {issue * 1e6:.0f} us beyond the profiled kernels")
     if dev.type == "cpu":
-        collective = measure_collective(sizes, repeats)
+        reduce_fit = measure_collective(sizes, repeats)
+        reduce_lat, collective = latency_bandwidth(reduce_fit) if reduce_fit is not None else (0.0, None)
         handoff = measure_p2p(sizes, repeats)
         p2p_lat, p2p = latency_bandwidth(handoff) if handoff is not None else (0.0, 0.0)
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         name = device_name(dev)
-        gloo = ("Gloo all-reduce between 2 ranks on loopback: not measured" if collective is None else
-                f"Gloo all-reduce between 2 ranks on loopback {collective / GB:.2f} GB/s")
+        gloo = ("Gloo all-reduce between 2 ranks on loopback: not measured" if reduce_fit is None else
+                f"Gloo all-reduce between 2 ranks on loopback {reduce_lat * 1e6:.0f} us + bytes / "
+                f"{collective / GB:.2f} GB/s (worst point {reduce_fit.worst:.0%} off)")
         gloo += ("; Gloo send between 2 ranks: not measured (activations between ranks priced through host "
                  "memory)" if handoff is None else
                  f"; Gloo send between 2 ranks {p2p_lat * 1e6:.0f} us + bytes / {p2p / GB:.2f} GB/s "
@@ -174,7 +176,7 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
             gpu_optimizer_bandwidth=_optimizer_bandwidth(dev, _OPTIMIZER_PARAMS),
             copy_overlap=False, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, p2p_latency_s=p2p_lat,
             cpu_optimizer_call_s=call,
-            issue_overhead_s=issue, collective_bandwidth=collective,
+            issue_overhead_s=issue, collective_bandwidth=collective, collective_latency_s=reduce_lat,
             description=(f"probed {when} on {name} WITHOUT a GPU: the device is the CPU, host<->device transfers "
                          f"are the executor's CPU swaps (a new tensor and a memcpy per parameter), run in "
                          f"program order on one thread (copy_overlap false), usable memory is half the "
@@ -545,26 +547,30 @@ def _gloo_pair(setup_limit_s: float):
     return groups
 
 
-def measure_collective(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: float = 2.0) -> float | None:
-    """Bytes / seconds of a Gloo all-reduce of one float tensor between two ranks on loopback, at the largest
-    of ``sizes`` up to 16 MiB; None where Gloo is missing or takes over ``setup_limit_s`` to set up."""
+def measure_collective(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: float = 2.0) -> Fit | None:
+    """seconds = latency + bytes / bandwidth of a Gloo all-reduce of one float tensor between two ranks
+    on loopback (``runtime.comm`` reduces a pack's dW as one flat buffer), fitted over 4 KiB and
+    ``sizes`` up to 16 MiB, each the fastest of ``repeats`` after a warm-up; None where Gloo is missing
+    or takes over ``setup_limit_s`` to set up."""
     groups = _gloo_pair(setup_limit_s)
     if groups is None:
         return None
-    nbytes = max(4, min(max(sizes), _COLLECTIVE_MAX))
-    times = [float("inf"), float("inf")]
-    buffers = [torch.ones(nbytes // 4) for _ in range(2)]
+    points = []
+    for nbytes in sorted({4 * KiB, *(max(4, min(s, _COLLECTIVE_MAX)) for s in sizes)}):
+        times = [float("inf"), float("inf")]
+        buffers = [torch.ones(nbytes // 4) for _ in range(2)]
 
-    def run(rank):
-        groups[rank].allreduce([buffers[rank]]).wait()
-        for _ in range(repeats):
-            start = time.perf_counter()
+        def run(rank):
             groups[rank].allreduce([buffers[rank]]).wait()
-            times[rank] = min(times[rank], time.perf_counter() - start)
+            for _ in range(repeats):
+                start = time.perf_counter()
+                groups[rank].allreduce([buffers[rank]]).wait()
+                times[rank] = min(times[rank], time.perf_counter() - start)
 
-    if not _both(run, 60):
-        return None
-    return (nbytes // 4) * 4 / max(times)
+        if not _both(run, 60):
+            return None
+        points.append(((nbytes // 4) * 4, max(times)))
+    return fit_linear([b for b, _ in points], [t for _, t in points])
 
 
 def measure_p2p(sizes: tuple[int, ...], repeats: int = 5, setup_limit_s: float = 2.0) -> Fit | None:
