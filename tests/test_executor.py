@@ -367,7 +367,7 @@ def test_freed_host_memory_is_kept_for_the_next_swap():
     """A block freed on the CPU device is reused by the next one of its size, as CUDA's caching
     allocator reuses device memory: without it, glibc unmaps blocks over 32 MB and every swap-in of
     such a tensor pays a page fault per 4 KiB (a 64 MB block: 16384 of them). Each count comes from a
-    fresh process, whose heap no earlier test has cut up."""
+    fresh process, whose heap no earlier test has cut up, after the copies that let it settle."""
     import subprocess
     import sys
 
@@ -377,7 +377,8 @@ def test_freed_host_memory_is_kept_for_the_next_swap():
         if sys.argv[1] == "keep" and not keep_freed_memory():
             print("unsupported"); sys.exit()
         src = torch.ones(16 * 2**20)                      # 64 MB
-        torch.empty_like(src).copy_(src)                  # allocated, written and freed once
+        for _ in range(6):      # allocated, written and freed: glibc settles on a few such blocks (a small
+            torch.empty_like(src).copy_(src)    # allocation may land behind a freed one), as a first step does
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(3):
             torch.empty_like(src).copy_(src)
