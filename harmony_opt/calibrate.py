@@ -88,17 +88,24 @@ def busy_by_work(timeline: Timeline) -> dict[str, float]:
     return dict(out)
 
 
+def _union(events: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the events' [start, end] intervals, as the sorted starts and ends of disjoint spans."""
+    lo: list[float] = []
+    hi: list[float] = []
+    for a, b in sorted(zip(events["start"].astype(float), events["end"].astype(float))):
+        if lo and a <= hi[-1]:
+            hi[-1] = max(hi[-1], b)
+        else:
+            lo.append(a)
+            hi.append(b)
+    return np.array(lo), np.array(hi)
+
+
 def idle_time(timeline: Timeline, rank: int = 0) -> float:
     """Seconds of the step in which no event of ``rank`` runs on any stream: in a measured step the
     executor's own work between instructions (and waits), which no cost term prices."""
-    ev = timeline.events[timeline.events["rank"] == rank]
-    spans = sorted(zip(ev["start"].astype(float), ev["end"].astype(float)))
-    covered, reach = 0.0, 0.0
-    for a, b in spans:
-        if b > reach:
-            covered += b - max(a, reach)
-            reach = b
-    return max(float(timeline.iteration_time) - covered, 0.0)
+    lo, hi = _union(timeline.events[timeline.events["rank"] == rank])
+    return max(float(timeline.iteration_time) - float((hi - lo).sum()), 0.0)
 
 
 #: The fixed costs a rank that runs its instructions one at a time pays between them as well.
@@ -114,25 +121,12 @@ def instruction_gaps(measured: Timeline, rank: int = 0) -> np.ndarray:
     starts, ends = main["start"].to_numpy(float), np.maximum.accumulate(main["end"].to_numpy(float))
     if len(starts) < 2:
         return np.zeros(0)
-    # the union of every event's interval, and the time it covers up to each of its ends
-    spans = sorted(zip(ev["start"].astype(float), ev["end"].astype(float)))
-    lo, hi = [], []
-    for a, b in spans:
-        if lo and a <= hi[-1]:
-            hi[-1] = max(hi[-1], b)
-        else:
-            lo.append(a)
-            hi.append(b)
-    lo_a, hi_a = np.array(lo), np.array(hi)
-    done = np.concatenate([[0.0], np.cumsum(hi_a - lo_a)])
-
-    def covered(t: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(lo_a, t, side="right")        # spans starting at or before t
-        inside = np.where(i > 0, np.minimum(t, hi_a[np.maximum(i - 1, 0)]) - lo_a[np.maximum(i - 1, 0)], 0.0)
-        return done[np.maximum(i - 1, 0)] * (i > 0) + np.maximum(inside, 0.0)
-
+    # the time the union of every event's interval covers up to t is piecewise linear in t
+    lo, hi = _union(ev)
+    done = np.concatenate([[0.0], np.cumsum(hi - lo)])
+    xs, ys = np.column_stack([lo, hi]).ravel(), np.column_stack([done[:-1], done[1:]]).ravel()
     a, b = ends[:-1], starts[1:]
-    return np.maximum((b - a) - (covered(b) - covered(a)), 0.0)
+    return np.maximum((b - a) - (np.interp(b, xs, ys) - np.interp(a, xs, ys)), 0.0)
 
 
 def instruction_gap(measured: Timeline) -> float:

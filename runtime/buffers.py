@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 import torch
 
 #: glibc's mallopt parameters (malloc.h) and the largest value it takes (an int).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _INT_MAX = -1, -3, 2**31 - 1
-_kept: bool | None = None
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Make glibc keep freed host memory in the process for reuse (process-wide; idempotent);
     returns whether it could (False without glibc: nothing changes).
@@ -39,20 +40,16 @@ def keep_freed_memory() -> bool:
     2-core test machine, and the same pack's weights took 0.35-2.3x their simulated time, by whether
     the blocks happened to be reused. ``profile``, ``probe`` and the executor all call this, so that
     what is measured is what runs."""
-    global _kept
-    if _kept is None:
-        _kept = False
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name) if name else None
-        except OSError:
-            libc = None
-        mallopt = getattr(libc, "mallopt", None)
-        if mallopt is not None and hasattr(libc, "gnu_get_libc_version"):
-            # a glibc that caps the threshold (at half its largest heap) still takes the dynamic one's top
-            mapped = any(mallopt(_M_MMAP_THRESHOLD, v) for v in (_INT_MAX, 32 * 2**20))
-            _kept = bool(mallopt(_M_TRIM_THRESHOLD, _INT_MAX)) and mapped
-    return _kept
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    # a glibc that caps the threshold (at half its largest heap) still takes the dynamic one's top
+    mapped = any(libc.mallopt(_M_MMAP_THRESHOLD, v) for v in (_INT_MAX, 32 * 2**20))
+    return bool(libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX)) and mapped
 
 
 def can_pin() -> bool:

@@ -73,38 +73,23 @@ def time_runs(fn: Callable[..., object], dev: torch.device | str = "cpu", *, rep
     from a forward that is not part of its time."""
     cap = check_repeats(repeats, max_repeats, warmup)
     dev = torch.device(dev)
-    if setup is not None:
-        fn = _SetUp(fn, setup)
+    prepare, run = (setup, fn) if setup is not None else ((lambda: None), (lambda _: fn()))
     for _ in range(warmup):
-        fn()
+        run(prepare())
     _sync(dev)
-    samples = _batch(fn, dev, repeats, clock)
+    samples = _batch(prepare, run, dev, repeats, clock)
     med, dropped = robust_median(samples)
     settled = dropped == 0 and max(samples) - min(samples) <= rel_tol * med   # tight from the start
     step = max(1, (repeats + 1) // 2)
     while not settled and len(samples) < cap:
-        samples += _batch(fn, dev, min(step, cap - len(samples)), clock)
+        samples += _batch(prepare, run, dev, min(step, cap - len(samples)), clock)
         before, (med, dropped) = med, robust_median(samples)
         settled = abs(med - before) <= rel_tol * med
     return Timing(med, len(samples), dropped, settled)
 
 
-class _SetUp:
-    """``fn`` whose argument ``setup`` makes before each run, outside the timed part (``_batch``)."""
-
-    def __init__(self, fn, setup):
-        self.fn, self.setup = fn, setup
-
-    def __call__(self):
-        return self.fn(self.setup())
-
-
-def _batch(fn, dev: torch.device, n: int, clock) -> list[float]:
-    """Seconds of each of ``n`` runs of ``fn`` (of its timed part, for a ``_SetUp``)."""
-    if isinstance(fn, _SetUp):
-        prepare, run = fn.setup, fn.fn
-    else:
-        prepare, run = (lambda: None), (lambda _: fn())
+def _batch(prepare, run, dev: torch.device, n: int, clock) -> list[float]:
+    """Seconds of each of ``n`` runs of ``run(prepare())``, ``prepare`` untimed."""
     if dev.type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
