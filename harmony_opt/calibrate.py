@@ -1,11 +1,12 @@
-"""Calibration: fit the hardware's cost terms to one measured step, so that the simulator predicts
+"""Calibration: fit the hardware's cost terms to measured steps, so that the simulator predicts
 what the executor does.
 
 The simulator prices a plan from the profile's times and the hardware's bandwidths; a real step
 also pays what those leave out (a fixed cost per copy and per kernel launch, a device slower or
-faster than the one profiled, the CPU optimizer's per-call overhead). :func:`fit_hardware` matches a
-measured Timeline (the last step of ``train(..., trace=True)``) with the simulated one of the same
-plan and fits, by least squares over the matched events, the Hardware terms the simulator charges:
+faster than the one profiled, the CPU optimizer's per-call overhead). :func:`fit_hardware` matches
+measured Timelines (the traced steps of ``train(..., trace=N)``, each event at its median over them)
+with the simulated one of the same plan and fits, by least squares over the matched events, the
+Hardware terms the simulator charges:
 
 * compute (forward; backward with its recompute): measured = compute_scale * profiled + issue_overhead_s
 * host -> GPU copies (weights and activations): measured = bytes / h2d_bandwidth + h2d_latency_s;
@@ -31,6 +32,7 @@ import dataclasses
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -77,10 +79,19 @@ def neutral(hardware: Hardware) -> Hardware:
     return dataclasses.replace(hardware, **NEUTRAL_TERMS)
 
 
-def busy_by_work(timeline: Timeline) -> dict[str, float]:
-    """Busy seconds of each kind of work, summed over ranks."""
+def _steps(measured: Timeline | Sequence[Timeline]) -> list[Timeline]:
+    """One measured step or several (of the same plan) as a list."""
+    return [measured] if isinstance(measured, Timeline) else list(measured)
+
+
+def busy_by_work(timeline: Timeline | Sequence[Timeline]) -> dict[str, float]:
+    """Busy seconds of each kind of work, summed over ranks; of several steps, the median per kind."""
+    steps = _steps(timeline)
+    if len(steps) > 1:
+        each = [busy_by_work(t) for t in steps]
+        return {w: float(np.median([b.get(w, 0.0) for b in each])) for w in dict.fromkeys(k for b in each for k in b)}
     out: dict[str, float] = defaultdict(float)
-    ev = timeline.events
+    ev = steps[0].events
     for s, k, a, b in zip(ev["stream"], ev["kind"], ev["start"], ev["end"]):
         w = work_of(str(s), str(k))
         if w is not None:
@@ -101,9 +112,14 @@ def _union(events: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return np.array(lo), np.array(hi)
 
 
-def idle_time(timeline: Timeline, rank: int = 0) -> float:
+def idle_time(timeline: Timeline | Sequence[Timeline], rank: int = 0) -> float:
     """Seconds of the step in which no event of ``rank`` runs on any stream: in a measured step the
-    executor's own work between instructions (and waits), which no cost term prices."""
+    executor's own work between instructions (and waits), which no cost term prices. Of several
+    steps, the median."""
+    steps = _steps(timeline)
+    if len(steps) > 1:
+        return float(np.median([idle_time(t, rank) for t in steps]))
+    timeline = steps[0]
     lo, hi = _union(timeline.events[timeline.events["rank"] == rank])
     return max(float(timeline.iteration_time) - float((hi - lo).sum()), 0.0)
 
@@ -129,22 +145,40 @@ def instruction_gaps(measured: Timeline, rank: int = 0) -> np.ndarray:
     return np.maximum((b - a) - (np.interp(b, xs, ys) - np.interp(a, xs, ys)), 0.0)
 
 
-def instruction_gap(measured: Timeline) -> float:
+def instruction_gap(measured: Timeline | Sequence[Timeline]) -> float:
     """The typical seconds between a rank's consecutive instructions where nothing overlaps (the CPU
-    device): the median of :func:`instruction_gaps`, averaged over the ranks. On such a device every
-    instruction pays it, whatever its kind, so it goes into each one's fixed cost.
+    device): the median of :func:`instruction_gaps`, of every step given pooled, averaged over the
+    ranks. On such a device every instruction pays it, whatever its kind, so it goes into each
+    one's fixed cost.
 
     The median, not the step's idle time per instruction: a few gaps are long (the hand-off of a
     pack's gradients to the CPU optimizer, 0.2-0.3 ms against a typical 30-60 us on a 2-core VM), and
     the plans of a few large packs have a larger share of them. Their mean charged L2L's 142
     instructions on vgg-tiny 70-80 us each where it idled 50 us per instruction; the rest of the idle
-    time is left to :func:`close_step`'s factor, which spreads it over the step's whole time."""
-    per_rank = [instruction_gaps(measured, r) for r in sorted(set(int(x) for x in measured.events["rank"]))]
+    time is left to :func:`close_step`'s factor, which spreads it over the step's whole time.
+
+    Pooled over steps, since a plan of a few large packs has few gaps: Harmony's on vgg-tiny at 4x
+    its largest layer has 7-11, and their median moved by 15 us from one traced step to the next."""
+    steps = _steps(measured)
+    ranks = sorted(set(int(x) for t in steps for x in t.events["rank"]))
+    per_rank = [np.concatenate([instruction_gaps(t, r) for t in steps]) for r in ranks]
     medians = [float(np.median(g)) for g in per_rank if len(g)]
     return float(np.mean(medians)) if medians else 0.0
 
 
 # -- matching ---------------------------------------------------------------------------------------------
+
+def _pooled(steps: list[Timeline], anchors: dict) -> dict[tuple, list[float]]:
+    """:func:`_groups` of several measured steps: each key's median seconds over the steps it is in."""
+    each = [_groups(t.events, anchors) for t in steps]
+    if len(each) == 1:
+        return each[0]
+    out: dict[tuple, list[float]] = {}
+    for key in dict.fromkeys(k for g in each for k in g):
+        got = [g[key] for g in each if key in g]
+        out[key] = [got[0][0], float(np.median([x[1] for x in got])), got[0][2]]
+    return out
+
 
 def _groups(events: pd.DataFrame, anchors: dict) -> dict[tuple, list[float]]:
     """(rank, work, pack, microbatch) -> [events, seconds, bytes] of a timeline's events."""
@@ -274,10 +308,11 @@ class Calibration:
         return {f: getattr(self.hardware, f) for f in names}
 
 
-def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, plan=None, prior: bool = True
-                 ) -> Calibration:
+def fit_hardware(measured: Timeline | Sequence[Timeline], simulated: Timeline, hardware: Hardware, plan=None,
+                 prior: bool = True) -> Calibration:
     """Fit ``hardware``'s cost terms so that ``simulated`` (the same plan simulated on
-    :func:`neutral` ``(hardware)``) prices its events as ``measured`` took them.
+    :func:`neutral` ``(hardware)``) prices its events as ``measured`` (one traced step, or several:
+    each event's median over them) took them.
 
     Events are matched by (rank, kind of work, pack, microbatch) (``plan``, when given, names the
     forward and backward pack each compute event belongs to); each key's measured seconds are fitted
@@ -286,7 +321,7 @@ def fit_hardware(measured: Timeline, simulated: Timeline, hardware: Hardware, pl
     ``prior=False``: fitted freely, 0 where it cannot be). Returns the fitted Hardware
     (``dataclasses.replace``; ``copy_overlap`` and the rest kept)."""
     anchors = _anchors(plan)
-    got, sim = _groups(measured.events, anchors), _groups(simulated.events, anchors)
+    got, sim = _pooled(_steps(measured), anchors), _groups(simulated.events, anchors)
     unmatched: dict[str, float] = defaultdict(float)
     for key, (_, secs, _) in got.items():
         if key not in sim:
@@ -422,27 +457,34 @@ def check_measured(measured: Timeline, simulated: Timeline, plan, where: str = "
                              f"was it traced from this plan?")
 
 
-def calibrate(plan, profile, hardware: Hardware, measured: Timeline, where: str = "the measured step",
-              step_time: float | None = None, prior: bool = True) -> Calibration:
+def calibrate(plan, profile, hardware: Hardware, measured: Timeline | Sequence[Timeline],
+              where: str = "the measured step", step_time: float | None = None, prior: bool = True) -> Calibration:
     """Simulate ``plan`` on ``hardware`` (before), on its neutral terms (fitted against) and on the
-    fitted hardware; fit; close the step (:func:`close_step`) on ``step_time`` (the measured step's
-    own time when not given; better, the median of several untraced steps); return the Calibration
-    with its table by kind of work and the iteration times."""
+    fitted hardware; fit to ``measured`` (one traced step or several, pooled); close the step
+    (:func:`close_step`) on ``step_time`` (the median of the measured steps' own times when not
+    given; better, of more steps, as ``calibrate`` takes every step after the first); return the Calibration with its table by kind of
+    work and the iteration times (of several measured steps, the median)."""
     from .sim.simulator import simulate
 
     base = neutral(hardware)
     simulated = simulate(plan, profile, base)
-    check_measured(measured, simulated, plan, where)
+    steps = _steps(measured)
+    if not steps:
+        raise UsageError(f"{where}: no traced step to fit")
+    for t in steps:
+        check_measured(t, simulated, plan, where)
+    measured = steps
+    traced = float(np.median([t.iteration_time for t in steps]))
     before = simulated if base == hardware else simulate(plan, profile, hardware)
     cal = fit_hardware(measured, simulated, hardware, plan, prior)
-    target = float(step_time) if step_time else measured.iteration_time
+    target = float(step_time) if step_time else traced
     fitted = simulate(plan, profile, cal.hardware, with_timeline=False).iteration_time
     cal.hardware, factor, note = close_step(plan, profile, cal.hardware, target)
     if note:
         cal.notes.append(note)
     after = simulate(plan, profile, cal.hardware)
     cal.table = kind_table(measured, before, cal.fitted, after)
-    cal.iteration = {"measured": measured.iteration_time, "target": target, "before": before.iteration_time,
+    cal.iteration = {"measured": traced, "traced_steps": len(steps), "target": target, "before": before.iteration_time,
                      "fitted": fitted, "after": after.iteration_time, "scale": factor,
                      "measured_idle": idle_time(measured), "before_idle": idle_time(before),
                      "after_idle": idle_time(after)}
@@ -498,10 +540,11 @@ def close_step(plan, profile, hardware: Hardware, target: float, tolerance: floa
             f"against {target * 1e3:.3f} ms measured; every time term scaled by {factor:.4f} to close it")
 
 
-def kind_table(measured: Timeline, before: Timeline, fitted: dict[str, float] | None = None,
+def kind_table(measured: Timeline | Sequence[Timeline], before: Timeline, fitted: dict[str, float] | None = None,
                after: Timeline | None = None) -> pd.DataFrame:
     """Busy seconds by kind of work (all ranks): measured, simulated before, and where given the fitted
-    formulas' prediction and the simulation on the fitted hardware; with measured / predicted."""
+    formulas' prediction and the simulation on the fitted hardware; with measured / predicted (of
+    several measured steps, the median per kind)."""
     m, b = busy_by_work(measured), busy_by_work(before)
     a = busy_by_work(after) if after is not None else {}
     rows = []

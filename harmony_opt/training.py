@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import itertools
+import statistics
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -59,18 +60,40 @@ class TrainResult:
     backend: str | None = None                  # torch.distributed backend of a multi-rank run
     bytes_moved: list[dict] = dataclasses.field(default_factory=list)   # per rank: h2d/d2h bytes, steps run
     device_peak_bytes: list = dataclasses.field(default_factory=list)  # per rank: CUDA allocator peak (None on CPU)
-    trace: list[dict] = dataclasses.field(default_factory=list)   # per rank, with trace=True: see timeline()
+    traces: list[list[dict]] = dataclasses.field(default_factory=list)  # per rank, per traced step: timelines()
+    traced: list[int] = dataclasses.field(default_factory=list)   # the traced steps, as indices of iteration_times
 
-    def timeline(self):
-        """The last step as measured (``train(..., trace=True)``): a Timeline like the simulator's,
-        one event per instruction, so the two can be compared stream by stream or drawn alike."""
+    @property
+    def trace(self) -> list[dict]:
+        """Per rank, the last traced step's events and memory steps (empty without a trace)."""
+        return [t[-1] if t else {} for t in self.traces]
 
-        if not any(self.trace):
+    def timelines(self) -> list[Timeline]:
+        """Every traced step as measured (``train(..., trace=N)``), oldest first: Timelines like the
+        simulator's, one event per instruction, so the two can be compared stream by stream or drawn
+        alike."""
+        if not any(self.traces):
             raise UsageError("no trace was recorded: train with trace=True")
-        return Timeline.from_records([r for t in self.trace for r in t["events"]], self.iteration_times[-1],
-                                     [m for t in self.trace for m in t["memory"]], ranks=len(self.trace),
-                                     meta={"source": "measured",
-                                           "plan_identity": self.program.plan_identity})
+        return [Timeline.from_records([r for t in self.traces for r in t[i]["events"]], self.iteration_times[step],
+                                      [m for t in self.traces for m in t[i]["memory"]], ranks=len(self.traces),
+                                      meta={"source": "measured", "plan_identity": self.program.plan_identity})
+                for i, step in enumerate(self.traced)]
+
+    def timeline(self) -> Timeline:
+        """The last step as measured (``train(..., trace=True)``)."""
+        return self.timelines()[-1]
+
+    def settled_step_time(self) -> float | None:
+        """The median of the steps this call ran after the first (warm-up), traced or not (tracing
+        costs an instruction a few microseconds); None where there are none."""
+        return statistics.median(self.iteration_times[1:]) if len(self.iteration_times) > 1 else None
+
+    def untraced_step_time(self) -> float | None:
+        """The median of the steps this call ran, the first (warm-up) and the traced ones aside; None
+        where there are none."""
+        skip = {0, *self.traced}
+        times = [t for i, t in enumerate(self.iteration_times) if i not in skip]
+        return statistics.median(times) if times else None
 
 
 def batch_seed(seed: int, step: int) -> int:
@@ -84,7 +107,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
           epochs: int | None = None, scheduler: Callable | None = None, clip_grad_norm: float | None = None,
           checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = False,
           device: str = "cpu", memory_cap: int | None = None, progress: bool = True, seed: int = 0,
-          program: Program | None = None, trace: bool = False, granularity: int | None = None,
+          program: Program | None = None, trace: bool | int = False, granularity: int | None = None,
           precision: str | None = None) -> TrainResult:
     """Train ``model`` (a LayeredModel) as ``plan`` says; steps are counted from step 0.
 
@@ -109,7 +132,9 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     the plan's) bounds live device bytes per rank. With ``checkpoint_dir``, a checkpoint is written
     atomically after the last step and every ``checkpoint_every`` steps; ``resume=True``
     continues from it. With ``trace=True`` the result holds when every instruction of the last
-    step ran (:meth:`TrainResult.timeline`). ``granularity``: what the device's allocator rounds each
+    step ran (:meth:`TrainResult.timeline`); with ``trace=N``, of the last step and every other one
+    before it, N at most (``runtime.worker.traced_steps``; :meth:`TrainResult.timelines`), the
+    steps between them untraced (:meth:`TrainResult.untraced_step_time`). ``granularity``: what the device's allocator rounds each
     tensor up to, for the memory check and the guard (default: 512 on CUDA, exact on the CPU).
     ``precision`` (default: the plan's, which its profile was measured in) is "fp32" or "bf16":
     forwards and recomputes under bf16 autocast, weights, gradients and optimizer state fp32
@@ -183,7 +208,8 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         start_step=start, steps=start + len(times), program=program,
         rank_pids=[r.pid for r in results], backend=results[0].backend if results else None,
         bytes_moved=[r.bytes_moved for r in results], device_peak_bytes=[r.device_peak_bytes for r in results],
-        trace=[r.trace for r in results])
+        traces=[r.traces for r in results],
+        traced=[i - start for i in results[0].traced] if results else [])
 
 
 def _check_counts(plan: Plan, data, steps: int | None, epochs: int | None, clip: float | None) -> int | None:

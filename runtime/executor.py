@@ -134,7 +134,7 @@ class DeviceTable:
 
 
 class Tracer:
-    """When and where every instruction of the last iteration ran, as :class:`~harmony_opt.sim.timeline.Timeline`
+    """When and where every instruction of the traced iterations ran, as :class:`~harmony_opt.sim.timeline.Timeline`
     event rows (seconds from the iteration's start). On a GPU from CUDA events on each instruction's
     stream (the device's clock, from an event recorded as the iteration starts); on the CPU, and for
     the CPU optimizer's steps, from the wall clock. Frees take no time and are left out, as are
@@ -152,7 +152,7 @@ class Tracer:
         self.bytes: dict[int, int] = {}       # instruction id -> bytes it copied between host and device
         self._memory: list[tuple[int | None, int]] = []     # (id whose end it happens at, change in bytes)
         self._last: int | None = None
-        self._done: tuple | None = None       # the last finished iteration's raw record
+        self._done: list[tuple] = []          # the finished iterations' raw records, oldest first
 
     def begin(self) -> None:
         self._wall, self._gpu, self._waits, self.bytes, self._memory, self._last = [], [], [], {}, [], None
@@ -186,18 +186,24 @@ class Tracer:
     def gpu(self, ins: Instr, start: "torch.cuda.Event", end: "torch.cuda.Event") -> None:
         self._gpu.append((ins, start, end))
 
-    def finish(self) -> None:
-        """Keep the iteration's raw record (call after the device is synchronized). Rows are made from
-        it by :meth:`result`, outside the timed iteration: formatting them every step cost a tiny
-        model's CPU step about 3 %."""
-        self._done = (self._wall, self._gpu, self._waits, self.bytes, self._memory, self.base)
+    def finish(self, keep: int | None = None) -> None:
+        """Keep the iteration's raw record (call after the device is synchronized), and at most the
+        ``keep`` newest. Rows are made from it by :meth:`result`, outside the timed iteration:
+        formatting them every step cost a tiny model's CPU step about 3 %."""
+        self._done.append((self._wall, self._gpu, self._waits, self.bytes, self._memory, self.base))
+        if keep is not None:
+            del self._done[:-keep]
 
-    def result(self) -> dict[str, list[tuple]]:
-        """The last finished iteration's event rows in start order, and its memory steps (rank, time,
-        bytes); empty before the first."""
-        if self._done is None:
+    def results(self) -> list[dict[str, list[tuple]]]:
+        """Every kept iteration's :meth:`result`, oldest first."""
+        return [self.result(i) for i in range(len(self._done))]
+
+    def result(self, i: int = -1) -> dict[str, list[tuple]]:
+        """A finished iteration's event rows in start order, and its memory steps (rank, time,
+        bytes): the last one's by default; empty before the first."""
+        if not self._done:
             return {}
-        wall, gpu, waits, moved, memory, base = self._done
+        wall, gpu, waits, moved, memory, base = self._done[i]
         times = wall + [(ins, base.elapsed_time(a) / 1e3, base.elapsed_time(b) / 1e3) for ins, a, b in gpu]
         rows = [self.row(ins, a, b, moved) for ins, a, b in times]
         for ins, a, b in waits:
@@ -270,7 +276,7 @@ class Executor:
 
     def __init__(self, program: Program, rank: int, layers: list[nn.Module], optimizers: PackOptimizers,
                  shapes: list[tuple[tuple[int, ...], torch.dtype]], *, device: str | torch.device = "cpu",
-                 comm=None, memory_cap: int | None = None, seed: int = 0, trace: bool = False,
+                 comm=None, memory_cap: int | None = None, seed: int = 0, trace: int = 0,
                  defer_updates: bool = False, granularity: int | None = None, precision: str = "fp32"):
         self.program, self.rank, self.layers = program, rank, layers
         # with defer_updates, a CPU update only records its pack here; the caller steps them after the
@@ -284,7 +290,9 @@ class Executor:
         # the guard's rounding: the device's allocator's unless given (a test prices CUDA on the CPU)
         self.table = DeviceTable(rank, memory_cap,
                                  alloc_granularity(self.device.type) if granularity is None else granularity)
+        # trace: keep the records of that many newest traced iterations (True: the last one)
         self.tracer = self._tracer = Tracer(rank, self.device.type == "cuda") if trace else None
+        self._keep = int(trace)
         self.streams = Streams(self.device, self.tracer)
         self.host = HostBuffers(program.samples[rank])
         self.weights = [{n: p.detach() for n, p in layer.named_parameters()} for layer in layers]
@@ -312,9 +320,15 @@ class Executor:
         """With trace=True: the last traced iteration's events and memory steps (:meth:`Tracer.result`)."""
         return self._tracer.result() if self._tracer else {}
 
+    @property
+    def traces(self) -> list[dict]:
+        """With trace=True: every kept traced iteration's events and memory steps, oldest first."""
+        return self._tracer.results() if self._tracer else []
+
     def tracing(self, on: bool) -> None:
         """Time the next iterations' instructions or not (an executor made with trace=True): the
-        worker times only the last step where it knows which one that is."""
+        worker times only the steps it was asked to trace (:func:`traced_steps`) where it knows
+        which steps those are."""
         self.tracer = self.streams.tracer = self._tracer if on else None
 
     # -- one iteration -----------------------------------------------------------------------------
@@ -413,7 +427,7 @@ class Executor:
         self._host_adds.clear()
         self.streams.finish(self.device)
         if self.tracer:
-            self.tracer.finish()
+            self.tracer.finish(self._keep)
         if self.table.values:
             left = ", ".join(map(str, list(self.table.values)[:5]))
             raise ProgramError(f"rank {self.rank}: the iteration ends with tensors still on the device ({left}); "

@@ -64,7 +64,8 @@ class Job:
     plan: dict | None = None
     losses_before: list[float] = dataclasses.field(default_factory=list)
     timeout_s: float = 300.0
-    trace: bool = False                                 # record the last iteration's instruction times
+    trace: int = 0                                      # record the instruction times of this many steps
+                                                        # (traced_steps; True: the last one)
     total: int | None = None                            # the step the run ends at, where known (progress bar)
     scheduler: SchedulerFactory | None = None           # optimizer -> LR scheduler, stepped once per step
     clip_grad_norm: float | None = None                 # max global 2-norm of the gradients
@@ -81,7 +82,20 @@ class RankResult:
     pid: int                    # the process that ran the rank
     backend: str | None         # torch.distributed backend ("gloo", "nccl"); None in a one-rank run
     bytes_moved: dict = dataclasses.field(default_factory=dict)    # "h2d"/"d2h" bytes over the steps run
-    trace: dict = dataclasses.field(default_factory=dict)          # the last step's events and memory steps
+    traces: list = dataclasses.field(default_factory=list)         # the traced steps' events and memory steps
+    traced: list = dataclasses.field(default_factory=list)         # the steps they are of
+
+
+def traced_steps(start: int, end: int, count: int) -> list[int]:
+    """The steps of a run from ``start`` to ``end`` (exclusive) that are traced when ``count`` are
+    asked for: the last, and every other step before it down to the run's second, at most
+    ``count`` (the first warms up; only a one-step run traces it). Between them the untraced steps
+    time the plan as it runs, and the traced ones sample the same stretch of the machine's drift."""
+    if count < 1 or end <= start:
+        return []
+    if end - start == 1:
+        return [start]
+    return sorted(range(end - 1, start, -2))[-count:]
 
 
 def updated_packs(program: Program, rank: int) -> list[tuple[int, int]]:
@@ -103,11 +117,15 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     losses = list(job.losses_before)
     bar = _progress(job, rank, job.total)
     ok, step, saved = False, job.start_step, job.start_step
-    last = job.total - 1 if job.trace and job.total else None     # the step to trace, where known
+    # the steps to trace, where the run's length is known (else every step, the newest kept)
+    traced = set(traced_steps(job.start_step, job.total, int(job.trace))) if job.trace and job.total else None
+    kept: list[int] = []
     try:
         for x, y in batches:
-            if last is not None:
-                ex.tracing(step == last)
+            if traced is not None:
+                ex.tracing(step in traced)
+            if ex.tracer is not None:
+                kept = (kept + [step])[-int(job.trace):]
             part = ex.run_iteration(step, x, y)
             if ex.deferred is not None:     # every gradient of the step is in: clip, then the updates
                 optim.clip_and_step(ex.deferred, job.clip_grad_norm, comm)
@@ -137,7 +155,7 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     backend = comm.backend_in_use() if comm else None
     return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak, os.getpid(), backend, dict(ex.moved),
-                      ex.trace)
+                      ex.traces, kept)
 
 
 def _progress(job: Job, rank: int, total: int):

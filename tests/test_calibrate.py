@@ -237,9 +237,11 @@ def _one_line_error(capsys, argv, fragment):
 def test_calibrate_a_real_cpu_run_writes_hardware_that_simulate_accepts(tiny, capsys):
     plan, out = str(tiny / "plan.json"), tiny / "fitted.toml"
     capsys.readouterr()
-    assert main(["calibrate", plan, "--model", "gpt2-tiny", "--steps", "2", "--no-progress", "-o", str(out)]) == 0
+    assert main(["calibrate", plan, "--model", "gpt2-tiny", "--steps", "5", "--traced", "2", "--no-progress",
+                 "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "running 2 step(s) of the plan" in text and "measured ms" in text and "re-simulated ms" in text
+    assert "running 5 step(s) of the plan" in text and "measured ms" in text and "re-simulated ms" in text
+    assert "fitting the 2 traced (*)" in text and "the 2 traced ones' median" in text
     assert "iteration: measured" in text and "no event running on rank 0" in text and f"wrote {out}" in text
     hw = Hardware.load(out)
     assert hw.name == "h100-x1-calibrated" and hw.compute_scale > 0 and hw.h2d_latency_s >= 0
@@ -257,8 +259,8 @@ def test_run_reports_the_promise_and_its_trace_calibrates(tiny, capsys):
     assert "the plan's promise:" in out and ("s per step simulated on h100-x1; the 2 untraced step(s) after the "
                                              "first took a median of") in out
     assert "forward" in out and "weights in" in out
-    assert main(["calibrate", plan, "--trace", str(trace), "-o", str(tiny / "from_trace.json")]) == 0
-    assert "read the traced step from" in capsys.readouterr().out
+    assert main(["calibrate", plan, "--trace", str(trace), str(trace), "-o", str(tiny / "from_trace.json")]) == 0
+    assert capsys.readouterr().out.count("read a traced step from") == 2
     assert json.loads((tiny / "from_trace.json").read_text())["compute_scale"] > 0
     # a trace without the plan's weight copies, or from another plan, is refused
     doc = json.loads(trace.read_text())
@@ -285,6 +287,7 @@ def test_calibrate_refuses_bad_input_in_one_line(tiny, capsys):
     run = ["--model", "gpt2-tiny", "-o", out]
     for argv, fragment in (
             (["calibrate", plan, *run, "--steps", "0"], "--steps must be >= 1"),
+            (["calibrate", plan, *run, "--traced", "0"], "--traced must be >= 1"),
             (["calibrate", plan, "--model", "vgg-tiny", "-o", out], "not of model 'vgg-tiny'"),
             (["calibrate", plan, *run, "--set", "n_layer=1"], "the plan has 8 layers"),
             (["calibrate", str(tiny / "nope.json"), *run], "does not exist"),
@@ -336,6 +339,32 @@ def test_the_time_between_instructions_is_the_typical_gap_not_the_mean():
     serial = fit_hardware(spaced, sim, hw, plan).hardware
     overlapped = fit_hardware(spaced, sim, dataclasses.replace(hw, copy_overlap=True), plan).hardware
     _close(serial.issue_overhead_s, overlapped.issue_overhead_s + gap)
+
+
+def test_several_traced_steps_are_pooled_each_event_at_its_median():
+    """Three traced steps, one of them with every event twice as long (the machine busy elsewhere for
+    that step): the pooled fit is the fit of a typical step, each event at its median over the steps,
+    and the gaps of every step are pooled before their median is taken."""
+    prof, plan = synthetic_profile(R=8), _plan()
+    hw = dataclasses.replace(HW.with_gpus(1), copy_overlap=False)
+    sim = simulate(plan, prof, neutral(hw))
+    typical = _serial(_synthetic(sim, 1), 40e-6)
+    ev = typical.events.copy()
+    ev[["start", "end"]] *= 2
+    slow = Timeline(ev, 2 * typical.iteration_time, ranks=1, meta=typical.meta)
+    one = fit_hardware(typical, sim, hw, plan).hardware
+    pooled = fit_hardware([typical, slow, typical], sim, hw, plan).hardware
+    for field in ("compute_scale", "issue_overhead_s", "h2d_bandwidth", "d2h_latency_s", "instruction_gap_s"):
+        _close(getattr(pooled, field), getattr(one, field))
+    _close(fit_hardware([slow, slow, typical], sim, hw, plan).hardware.compute_scale, 2 * COMPUTE)
+    # the gaps: one step's 40 us each, another's 80 us each, a third's 80 us: the pooled median
+    assert instruction_gap([typical, slow, slow]) == pytest.approx(80e-6)
+    assert busy_by_work([typical, slow, typical]) == pytest.approx(busy_by_work(typical))
+    whole = _synthetic(sim, 1)              # with its CPU steps, which a calibration checks for
+    ev = whole.events.copy()
+    ev[["start", "end"]] *= 2
+    cal = calibrate(plan, prof, hw, [whole, Timeline(ev, 2 * whole.iteration_time, ranks=1), whole])
+    assert cal.iteration["measured"] == whole.iteration_time and cal.iteration["traced_steps"] == 3
 
 
 def test_a_cpu_step_covers_the_time_between_instructions_it_runs_in():

@@ -330,6 +330,31 @@ def test_trace_times_every_instruction_of_the_last_step():
         train(mlp(), make_plan(), steps=1, progress=False).timeline()
 
 
+def test_traced_steps_are_the_last_and_every_other_before_it():
+    from harmony_opt.runtime.worker import traced_steps
+    assert traced_steps(0, 9, 4) == [2, 4, 6, 8] and traced_steps(0, 9, 10) == [2, 4, 6, 8]
+    assert traced_steps(0, 5, 1) == [4] and traced_steps(3, 6, 2) == [5]      # a resumed run: from its own step
+    assert traced_steps(0, 1, 3) == [0] and traced_steps(0, 2, 3) == [1] and traced_steps(0, 4, 0) == []
+
+
+def test_several_traced_steps_and_the_untraced_between_them():
+    res = train(mlp(), make_plan(), steps=7, progress=False, trace=3)
+    assert res.traced == [2, 4, 6]
+    tls = res.timelines()
+    assert [t.iteration_time for t in tls] == [res.iteration_times[i] for i in (2, 4, 6)]
+    timed = sum(x.kind is not Kind.FREE for x in res.program.ranks[0])
+    assert all(len(t.events) >= timed for t in tls) and len({len(t.events) for t in tls}) == 1
+    assert res.timeline().iteration_time == res.iteration_times[6] and res.trace[0] == res.traces[0][-1]
+    # the steps that time the plan: neither the first (warm-up) nor a traced one
+    times = res.iteration_times
+    assert res.untraced_step_time() == sorted([times[1], times[3], times[5]])[1]
+    assert res.settled_step_time() == pytest.approx(sum(sorted(times[1:])[2:4]) / 2)   # calibrate closes on it
+    # a stream of unknown length traces every step and keeps the newest
+    data = (_batch(6, torch.Generator().manual_seed(s)) for s in range(4))
+    res = train(mlp(), make_plan(), data, progress=False, trace=2)
+    assert res.traced == [2, 3] and len(res.timelines()) == 2
+
+
 def test_instructions_are_named_in_a_profiler_trace_only_while_it_records(monkeypatch):
     """The named range costs about 7 us per instruction: a tenth of a tiny model's L2L step on the CPU."""
     from harmony_opt.runtime import executor
