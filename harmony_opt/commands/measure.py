@@ -79,8 +79,8 @@ def _profile(args):
 
 
 def _probe(args):
-    from ..measure.probe import probe_hardware
-    from ..core.units import fmt_bytes, parse_bytes
+    from ..measure.probe import probe_hardware, probe_summary
+    from ..core.units import parse_bytes
 
     path = writable_file(args.output)
     sizes = None if args.sizes is None else tuple(
@@ -89,15 +89,7 @@ def _probe(args):
         raise UsageError("--sizes needs at least one size and --repeats must be >= 1")
     hw = probe_hardware(args.device or _default_device(), sizes, repeats=args.repeats, threads=args.threads)
     written(hw.save, path, f"the hardware file {path}")
-    print(f"wrote {path}: {hw.name}, {hw.gpus} device(s) of {fmt_bytes(hw.gpu_memory_bytes)} usable, "
-          f"host->device {hw.h2d_latency_s * 1e6:.0f} us + {hw.h2d_bandwidth / 1e9:.1f} GB/s, device->host "
-          f"{hw.d2h_latency_s * 1e6:.0f} us + {hw.d2h_bandwidth / 1e9:.1f} GB/s, "
-          + (f"rank to rank {hw.p2p_latency_s * 1e6:.0f} us + {hw.p2p_bandwidth / 1e9:.1f} GB/s, "
-             if hw.p2p_bandwidth > 0 else "")
-          + (f"all-reduce {hw.collective_latency_s * 1e6:.0f} us + {hw.collective_bandwidth / 1e9:.2f} GB/s, "
-             if hw.collective_bandwidth else "") + f"CPU optimizer "
-          f"{hw.cpu_optimizer_call_s * 1e6:.0f} us per call, {hw.issue_overhead_s * 1e6:.0f} us per compute "
-          f"instruction, copies {'beside' if hw.copy_overlap else 'in line with'} compute")
+    print(f"wrote {path}: {probe_summary(hw)}")
 
 
 def add_precision(p, what: str) -> None:
