@@ -138,11 +138,16 @@ def test_a_fixed_cost_is_fitted_only_where_the_groups_tell_it():
     slope, fixed, note = _line(x, n, y, 1.0, True, fixed0=0.1)
     assert fixed == 0.1 and slope == pytest.approx(float(x @ (y - 0.1) / (x @ x)))
     assert "do not tell the fixed cost" in note
-    # noise the other way: the groups say the fixed cost is below 0, so below the input's: 0, whatever
-    # their number
+    # noise the other way, the free fixed cost below 0: three groups do not tell that either, and the
+    # input's is kept; twelve groups of a machine without a fixed cost do, and it is 0
     y = 1.0 * x + 0.1 + np.array([-0.3, 0.2, 0.1])
     slope, fixed, note = _line(x, n, y, 1.0, True, fixed0=0.1)
-    assert fixed == 0.0 and slope == pytest.approx(float(x @ y / (x @ x))) and "negative" in note
+    assert fixed == 0.1 and "do not tell the fixed cost" in note
+    rng = np.random.default_rng(2)
+    x12, n12 = np.linspace(1.0, 12.0, 12), rng.integers(1, 4, 12).astype(float)
+    y12 = 1.0 * x12 - 0.01 * n12 + rng.normal(0, 0.002, 12)
+    slope, fixed, note = _line(x12, n12, y12, 1.0, True, fixed0=0.1)
+    assert fixed == 0.0 and slope == pytest.approx(float(x12 @ y12 / (x12 @ x12))) and "negative" in note
     rng = np.random.default_rng(0)
     x = np.linspace(1.0, 12.0, 12)
     n = rng.integers(1, 4, 12).astype(float)
