@@ -48,8 +48,8 @@ def register(sub):
                    help="default: cuda when available, else cpu (the executor's CPU swaps: for testing and CPU runs)")
     q.add_argument("-o", "--output", required=True, help="hardware file to write (.toml, or .json)")
     q.add_argument("--sizes", default=None,
-                   help="transfer sizes, e.g. 64KiB,1MiB,16MiB,256MiB (the default on a GPU; on the CPU without "
-                        "256MiB); each at 1, 4 and 16 tensors")
+                   help="transfer sizes, e.g. 64KiB,1MiB,16MiB,256MiB (the default on a GPU; on the CPU "
+                        "4KiB,16KiB,64KiB,1MiB,16MiB); each at 1, 4 and 16 tensors")
     q.add_argument("--repeats", type=int, default=5,
                    help="timed runs of each measurement, the fastest kept (default 5)")
     add_threads(q)
