@@ -1,7 +1,8 @@
 """Benchmark: how ``calibrate`` should fit and close the step, judged on the same measurements.
 
-The per-event fit prices one traced step; the step time it is closed on is the median of the other
-steps. Four calibrations of the same traced step, judged on the same measured plans
+The per-event fit prices the traced steps of Harmony's plan, pooled (every other step of each run from
+the second on); the step time it is closed on is the median of the untraced ones. Four calibrations
+of the same traced steps, judged on the same measured plans
 (``bench_fidelity.py``'s models, caps and planners, runs interleaved the same way):
 
 * ``scale``: what ``calibrate`` does: a fixed cost fitted only where the matched groups tell it
@@ -32,7 +33,7 @@ import bench_fidelity as bf
 from harmony_opt.calibrate import GAP_FIELDS, calibrate, close_step, scaled
 from harmony_opt.core.io import write_results
 from harmony_opt.measure.models import build_model
-from harmony_opt.measure.probe import probe_hardware
+from harmony_opt.measure.probe import probe_hardware, probe_summary
 from harmony_opt.measure.profiler import profile_model
 from harmony_opt.report import machine_description, markdown_table
 from harmony_opt.sim.simulator import simulate
@@ -78,7 +79,7 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -
     base = bf.make_plans(profile, hw, cap).get(bf.CALIBRATE_ON)
     if base is None:
         return []
-    t, trace = bf.measured_in_rounds(model, {bf.CALIBRATE_ON: base}, steps, rounds)
+    t, trace = bf.measured_in_rounds(model, {bf.CALIBRATE_ON: base}, steps, rounds, bf.calibration_traced(steps))
     # the per-event fit alone: calibrate's own closing (one factor on every time term) undone
     cal = calibrate(base, profile, hw, trace[bf.CALIBRATE_ON], step_time=t[bf.CALIBRATE_ON])
     fit = scaled(cal.hardware, 1 / cal.iteration["scale"])
@@ -113,7 +114,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "closing"))
     args = ap.parse_args(argv)
@@ -137,6 +138,7 @@ def main(argv=None) -> int:
             f"{args.steps} steps per run, {args.rounds} runs per plan interleaved. Each column is measured / "
             f"simulated on the hardware calibrated on Harmony's plan that way; the plans judged are "
             f"those made on the hardware `calibrate` writes.\n",
+            f"Probed: {probe_summary(hw)}.\n",
             "## Summary\n", markdown_table(summary, floatfmt=".3f"), "",
             "## Per plan\n", markdown_table(df, floatfmt=".4f"), ""]
     write_results(Path(args.out), df, "\n".join(text))

@@ -3,8 +3,9 @@
 The closed loop a user runs on their own machine, on this machine's CPU: profile each model, probe
 the machine, calibrate the hardware on Harmony's plan (``harmony-opt calibrate``'s library call),
 plan again with the calibrated hardware, then train every planner's plan for a few steps and
-compare its measured step time (median over the steps between the first and the traced last) with
-its simulated one.
+compare its measured step time (median over the untraced steps after the first) with its simulated
+one. The calibration fits the traced steps of Harmony's plan pooled: every other step of each run
+from the second on, over every run.
 
 Cases: a transformer (GPT-2), a CNN (VGG) and a model of at least 12 layers (BERT), three memory
 caps each, and the plans of ``plan`` (cp-sat), ``plan --harmony-space``, Harmony's search, L2L and
@@ -35,11 +36,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from harmony_opt.calibrate import calibrate, close_step, untraced_step_time
+from harmony_opt.calibrate import calibrate, close_step
 from harmony_opt.core.errors import HarmonyOptError
 from harmony_opt.core.io import atomic_write_figure, write_results
 from harmony_opt.measure.models import build_model
-from harmony_opt.measure.probe import probe_hardware
+from harmony_opt.measure.probe import probe_hardware, probe_summary
 from harmony_opt.measure.profiler import profile_model
 from harmony_opt.planners.registry import get_planner
 from harmony_opt.report import machine_description, markdown_table
@@ -83,12 +84,11 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return (conc - disc) / denom if denom else 1.0
 
 
-def measure(model, plan, steps: int) -> tuple[float, object]:
-    """Median time of the steps between the first (warm-up) and the last (traced), and the last
-    step's measured timeline."""
-    res = train(model, plan, steps=steps, progress=False, trace=True)
-    return untraced_step_time(res.iteration_times), res.timeline()
-
+def measure(model, plan, steps: int, traced: int = 1) -> tuple[float, list]:
+    """Median time of the untraced steps after the first (warm-up), and the measured timelines of the
+    ``traced`` ones (the last and every other before it)."""
+    res = train(model, plan, steps=steps, progress=False, trace=traced)
+    return res.untraced_step_time(), res.timelines()
 
 def make_plans(profile, hw, cap) -> dict:
     """Every planner's plan; Harmony's with every packing method of its code where its default methods
@@ -110,17 +110,24 @@ def make_plans(profile, hw, cap) -> dict:
     return plans
 
 
-def measured_in_rounds(model, plans: dict, steps: int, rounds: int) -> tuple[dict, dict]:
-    """Per plan, the median over ``rounds`` runs of its median untraced step, and the traced timeline of
-    its last run. The runs go round the plans one after another (not one plan's runs back to back),
-    so that the machine's drift over minutes (10-15 % on a shared 2-core VM) falls on every plan alike."""
+def measured_in_rounds(model, plans: dict, steps: int, rounds: int, traced: int = 1) -> tuple[dict, dict]:
+    """Per plan, the median over ``rounds`` runs of its median untraced step, and the traced timelines of
+    every run. The runs go round the plans one after another (not one plan's runs back to back), so
+    that the machine's drift over minutes (10-15 % on a shared 2-core VM) falls on every plan alike."""
     times: dict = {name: [] for name in plans}
-    traces: dict = {}
+    traces: dict = {name: [] for name in plans}
     for _ in range(rounds):
         for name, plan in plans.items():
-            t, traces[name] = measure(model, plan, steps)
+            t, tls = measure(model, plan, steps, traced)
             times[name].append(t)
+            traces[name] += tls
     return {name: statistics.median(ts) for name, ts in times.items()}, traces
+
+
+def calibration_traced(steps: int) -> int:
+    """Steps traced per run of the plan calibrated on: every other one from the second on (the
+    untraced between them still time it)."""
+    return max((steps - 1) // 2, 1)
 
 
 def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -> list[dict]:
@@ -133,7 +140,7 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -
             base = make_plans(profile, hw, cap).get(CALIBRATE_ON)
             if base is None:
                 break
-            t, trace = measured_in_rounds(model, {CALIBRATE_ON: base}, steps, rounds)
+            t, trace = measured_in_rounds(model, {CALIBRATE_ON: base}, steps, rounds, calibration_traced(steps))
             hardware = calibrate(base, profile, hw, trace[CALIBRATE_ON], step_time=t[CALIBRATE_ON]).hardware
         plans = make_plans(profile, hardware, cap)
         if stage == "uncalibrated":
@@ -201,8 +208,9 @@ def plot(df: pd.DataFrame, path: Path) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one model, one cap")
-    ap.add_argument("--steps", type=int, default=6,
-                    help="steps per run (>= 3: the first warms up, the last is traced, the rest are timed)")
+    ap.add_argument("--steps", type=int, default=7,
+                    help="steps per run (>= 3: the first warms up, the last is traced, the rest are timed; the plan "
+                         "calibrated on traces every other step from the second)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="runs per plan, interleaved across the plans; the median is reported (>= 1)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity"))
@@ -234,10 +242,11 @@ def main(argv=None) -> int:
     text = ["# Simulated against measured step time, before and after calibration\n",
             f"`{cmd}` ({time.perf_counter() - t0:.0f} s); {machine_description()}; "
             f"{torch.get_num_threads()} intra-op thread(s); batch {BATCH}, {args.steps} steps per run "
-            f"(the median of all but the first and the traced last), {args.rounds} runs per plan interleaved "
-            f"across the plans (their median); calibrated on {CALIBRATE_ON}'s plan (the per-event fit on its "
-            f"last run's trace, closed on its median step time, measured again in the rounds of the plans "
-            f"judged).\n",
+            f"(the median of the untraced ones after the first), {args.rounds} runs per plan interleaved "
+            f"across the plans (their median); calibrated on {CALIBRATE_ON}'s plan (the per-event fit on the "
+            f"{calibration_traced(args.steps)} traced steps of each of its runs, pooled, closed on its median step "
+            f"time, measured again in the rounds of the plans judged).\n",
+            f"Probed: {probe_summary(hw)}.\n",
             "## Per case\n", markdown_table(summary, floatfmt=".3f"), "",
             "## Per plan\n", markdown_table(df, floatfmt=".4f"), ""]
     write_results(out, df, "\n".join(text))
