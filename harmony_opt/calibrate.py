@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -64,13 +63,6 @@ NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s":
                  "p2p_latency_s": 0.0, "collective_latency_s": 0.0,
                  "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None,
                  "instruction_gap_s": 0.0}
-
-
-def untraced_step_time(step_times) -> float | None:
-    """The median of the steps between the first (warm-up) and the last (traced by ``run`` and
-    ``calibrate``); None where there are none."""
-    untraced = list(step_times)[1:-1]
-    return statistics.median(untraced) if untraced else None
 
 
 def neutral(hardware: Hardware) -> Hardware:

@@ -134,8 +134,8 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     continues from it. With ``trace=True`` the result holds when every instruction of the last
     step ran (:meth:`TrainResult.timeline`); with ``trace=N``, of the last step and every other one
     before it, N at most (``runtime.worker.traced_steps``; :meth:`TrainResult.timelines`), the
-    steps between them untraced (:meth:`TrainResult.untraced_step_time`). ``granularity``: what the device's allocator rounds each
-    tensor up to, for the memory check and the guard (default: 512 on CUDA, exact on the CPU).
+    steps between them untraced (:meth:`TrainResult.untraced_step_time`). ``granularity``: what the
+    device's allocator rounds each tensor up to, for the memory check and the guard (default: 512 on CUDA, exact on the CPU).
     ``precision`` (default: the plan's, which its profile was measured in) is "fp32" or "bf16":
     forwards and recomputes under bf16 autocast, weights, gradients and optimizer state fp32
     (:mod:`harmony_opt.core.precision`); one other than the plan's is refused.
@@ -209,7 +209,7 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
         rank_pids=[r.pid for r in results], backend=results[0].backend if results else None,
         bytes_moved=[r.bytes_moved for r in results], device_peak_bytes=[r.device_peak_bytes for r in results],
         traces=[r.traces for r in results],
-        traced=[i - start for i in results[0].traced] if results else [])
+        traced=[t["step"] - start for t in results[0].traces] if results else [])
 
 
 def _check_counts(plan: Plan, data, steps: int | None, epochs: int | None, clip: float | None) -> int | None:

@@ -154,7 +154,8 @@ class Tracer:
         self._last: int | None = None
         self._done: list[tuple] = []          # the finished iterations' raw records, oldest first
 
-    def begin(self) -> None:
+    def begin(self, step: int = 0) -> None:
+        self.step = step
         self._wall, self._gpu, self._waits, self.bytes, self._memory, self._last = [], [], [], {}, [], None
         self.t0 = time.perf_counter()
         self.base = None
@@ -186,24 +187,23 @@ class Tracer:
     def gpu(self, ins: Instr, start: "torch.cuda.Event", end: "torch.cuda.Event") -> None:
         self._gpu.append((ins, start, end))
 
-    def finish(self, keep: int | None = None) -> None:
+    def finish(self, keep: int = 1) -> None:
         """Keep the iteration's raw record (call after the device is synchronized), and at most the
         ``keep`` newest. Rows are made from it by :meth:`result`, outside the timed iteration:
         formatting them every step cost a tiny model's CPU step about 3 %."""
-        self._done.append((self._wall, self._gpu, self._waits, self.bytes, self._memory, self.base))
-        if keep is not None:
-            del self._done[:-keep]
+        self._done.append((self.step, self._wall, self._gpu, self._waits, self.bytes, self._memory, self.base))
+        del self._done[:-keep]
 
     def results(self) -> list[dict[str, list[tuple]]]:
         """Every kept iteration's :meth:`result`, oldest first."""
         return [self.result(i) for i in range(len(self._done))]
 
-    def result(self, i: int = -1) -> dict[str, list[tuple]]:
-        """A finished iteration's event rows in start order, and its memory steps (rank, time,
+    def result(self, i: int = -1) -> dict:
+        """A finished iteration's step, event rows in start order, and memory steps (rank, time,
         bytes): the last one's by default; empty before the first."""
         if not self._done:
             return {}
-        wall, gpu, waits, moved, memory, base = self._done[i]
+        step, wall, gpu, waits, moved, memory, base = self._done[i]
         times = wall + [(ins, base.elapsed_time(a) / 1e3, base.elapsed_time(b) / 1e3) for ins, a, b in gpu]
         rows = [self.row(ins, a, b, moved) for ins, a, b in times]
         for ins, a, b in waits:
@@ -211,7 +211,7 @@ class Tracer:
             rows.append((self.rank, "wait", kind, f"wait {ins}", pack, mb, a, b, 0))
         ends = {ins.id: b for ins, _, b in times}
         steps = memory_steps(self.rank, [(ends.get(i, 0.0), change) for i, change in memory])
-        return {"events": sorted(rows, key=lambda r: (r[6], r[7])), "memory": steps}
+        return {"step": step, "events": sorted(rows, key=lambda r: (r[6], r[7])), "memory": steps}
 
 
 class Streams:
@@ -229,7 +229,7 @@ class Streams:
         memory only after those uses), so it neither waits nor records. On the CPU, nothing
         to enter (a context of its own per instruction cost 2 us)."""
         if not self.cuda or ins.stream is Stream.CPU or ins.kind is Kind.FREE:
-            return _NO_STREAM
+            return _NOTHING
         return self._on(ins)
 
     @contextlib.contextmanager
@@ -258,7 +258,7 @@ class Streams:
         self.events.clear()
 
 
-_NO_STREAM = contextlib.nullcontext()
+_NOTHING = contextlib.nullcontext()      # entered where there is no stream and no profiler range
 
 
 def _profiling() -> bool:
@@ -316,13 +316,9 @@ class Executor:
         self.pool.shutdown(wait=True)
 
     @property
-    def trace(self) -> dict:
-        """With trace=True: the last traced iteration's events and memory steps (:meth:`Tracer.result`)."""
-        return self._tracer.result() if self._tracer else {}
-
-    @property
     def traces(self) -> list[dict]:
-        """With trace=True: every kept traced iteration's events and memory steps, oldest first."""
+        """With trace=N: the N newest traced iterations' steps, events and memory steps, oldest first
+        (:meth:`Tracer.result`)."""
         return self._tracer.results() if self._tracer else []
 
     def tracing(self, on: bool) -> None:
@@ -337,7 +333,7 @@ class Executor:
         rank's part of the minibatch loss (the loss rank's sum of scaled microbatch losses)."""
         t0 = time.perf_counter()
         if self.tracer:
-            self.tracer.begin()
+            self.tracer.begin(step)
         self.step = step
         lo, n = self.program.sample_offsets[self.rank], self.program.samples[self.rank]
         self.host.stage(("data",), inputs[lo:lo + n])
@@ -369,7 +365,7 @@ class Executor:
             handler = _HANDLERS.get(ins.kind)
             if handler is None:
                 raise ProgramError(f"rank {self.rank}: the executor does not understand instruction {ins}")
-            named = record_function(f"H:{ins}") if _profiling() else _NO_STREAM
+            named = record_function(f"H:{ins}") if _profiling() else _NOTHING
             with self.streams.on(ins) as stream, named:
                 for w in ins.waits_on:
                     self._wait(w)

@@ -82,8 +82,7 @@ class RankResult:
     pid: int                    # the process that ran the rank
     backend: str | None         # torch.distributed backend ("gloo", "nccl"); None in a one-rank run
     bytes_moved: dict = dataclasses.field(default_factory=dict)    # "h2d"/"d2h" bytes over the steps run
-    traces: list = dataclasses.field(default_factory=list)         # the traced steps' events and memory steps
-    traced: list = dataclasses.field(default_factory=list)         # the steps they are of
+    traces: list = dataclasses.field(default_factory=list)         # the traced steps' steps, events and memory
 
 
 def traced_steps(start: int, end: int, count: int) -> list[int]:
@@ -119,13 +118,10 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     ok, step, saved = False, job.start_step, job.start_step
     # the steps to trace, where the run's length is known (else every step, the newest kept)
     traced = set(traced_steps(job.start_step, job.total, int(job.trace))) if job.trace and job.total else None
-    kept: list[int] = []
     try:
         for x, y in batches:
             if traced is not None:
                 ex.tracing(step in traced)
-            if ex.tracer is not None:
-                kept = (kept + [step])[-int(job.trace):]
             part = ex.run_iteration(step, x, y)
             if ex.deferred is not None:     # every gradient of the step is in: clip, then the updates
                 optim.clip_and_step(ex.deferred, job.clip_grad_norm, comm)
@@ -155,7 +151,7 @@ def run_rank(rank: int, job: Job, comm: Comm | None, batches) -> RankResult:
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     backend = comm.backend_in_use() if comm else None
     return RankResult(rank, losses, ex.times, ex.table.peak, cuda_peak, os.getpid(), backend, dict(ex.moved),
-                      ex.traces, kept)
+                      ex.traces)
 
 
 def _progress(job: Job, rank: int, total: int):

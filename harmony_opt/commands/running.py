@@ -189,17 +189,17 @@ def _run(args):
         if not any(res.trace):
             print("note: not compared with the plan's simulation: the last step was not traced")
             return
-        for line in promise_lines(plan, Path(args.plan), res.timeline(), res.iteration_times):
+        for line in promise_lines(plan, Path(args.plan), res.timeline(), res.untraced_step_time(),
+                                  len(res.iteration_times) - 1 - len(res.traced)):
             print(line)
 
 
-def promise_lines(plan, plan_path: Path, measured, step_times=()) -> list[str]:
+def promise_lines(plan, plan_path: Path, measured, median: float | None = None, untraced: int = 0) -> list[str]:
     """Whether the run kept the plan's promise: the measured step time against the plan's simulation
     (its recorded profile and hardware), and busy time by kind of work (the traced last step's); one
-    note line where the plan's profile or hardware is not at hand. The step time is the median of
-    ``step_times`` between the first (warm-up) and the last (traced) where there are any, else the
-    last step's."""
-    from ..calibrate import format_table, idle_time, promise, untraced_step_time
+    note line where the plan's profile or hardware is not at hand. The step time is ``median``, of
+    the ``untraced`` steps after the first (warm-up), where there are any, else the last step's."""
+    from ..calibrate import format_table, idle_time, promise
     from ..core.errors import HarmonyOptError
     from ..sim.simulator import simulate
     try:
@@ -209,10 +209,9 @@ def promise_lines(plan, plan_path: Path, measured, step_times=()) -> list[str]:
     except HarmonyOptError as e:
         why = " ".join(str(e).split())
         return [f"note: not compared with the plan's simulation: {why}"]
-    median = untraced_step_time(step_times)
     took = measured.iteration_time if median is None else median
     ratio = took / simulated.iteration_time if simulated.iteration_time > 0 else float("nan")
-    which = (f"the {len(step_times) - 2} untraced step(s) after the first took a median of {took:.4f} s "
+    which = (f"the {untraced} untraced step(s) after the first took a median of {took:.4f} s "
              f"({ratio:.2f}x), the traced last {measured.iteration_time:.4f} s" if median is not None else
              f"the last step took {took:.4f} s ({ratio:.2f}x)")
     return [f"the plan's promise: {simulated.iteration_time:.4f} s per step simulated on {hw.name}; {which}; "
