@@ -25,7 +25,7 @@ from .tasks import Config, boundary_hops, link_capacity, link_rates, stash_out_e
 
 
 def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
-                 stash_layers: np.ndarray | None = None) -> float:
+                 stash_layers: np.ndarray | None = None, per_start: bool = False):
     """A valid lower bound on the model's iteration time of any plan of ``cfg`` (seconds), with stash
     variants (``stash``) for the layers build_tasks offers them (``stash_layers``, the same default).
 
@@ -56,14 +56,15 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
 
     Small criterion packs leave much forward compute; large ones a long serial piece: taking
     the least over s of the larger of the two is what makes the bound of a vPP configuration
-    with few microbatches worth having."""
+    with few microbatches worth having. ``per_start``: (the criterion starts s, the bound of the
+    plans of each) instead of the least (``vpp_bound`` combines them with other bounds per s)."""
     R = profile.num_layers
     profile = profile.with_compute_scale(hw.compute_scale)
     share = batch if cfg.mode == "vPP" else max(data_shares(batch, cfg.gpus))
     cb = profile.costs("BWD", cfg.u_bwd)
     fits = np.flatnonzero(cb.pack_memory(np.arange(R), np.full(R, R - 1)) <= cap)
     if len(fits) == 0:
-        return float("inf")
+        return (fits, np.zeros(0)) if per_start else float("inf")
     before = fits - 1                   # the layers before each criterion start: [0, s - 1]
     uf, ub = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
     # the layers whose stash variants exist (tasks.stashable_layers); elsewhere only the recompute
@@ -122,7 +123,8 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         one, ends, few = serial(0)
         base = np.maximum(w_in, one)
         spans = (float(bwd.sum()) + forward) / n
-        return float(np.min(np.maximum(base, np.maximum(spans, np.minimum(spans + ends / n, few)))))
+        per = np.maximum(base, np.maximum(spans, np.minimum(spans + ends / n, few)))
+        return (fits, per) if per_start else float(np.min(per))
     # the link: every phase takes at least its own traffic (timing.py), so T >= in_F + in_B (the
     # weights of the forward layers and of every layer, stashed activations coming back) and
     # T >= out_F + in_B (stashed activations leaving in the forward, the backward packs' weights,
@@ -146,15 +148,14 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
             total = per_layer[:, None] + mus * forward[None, :] / n + (1 - mus) * link_w[None, :]
             best = np.maximum(best, total.max(axis=0))
             totals.append((total, mus))
-    bound = 0.0
+    per = np.zeros(len(fits))
     for k in range(len(timers)):
         one, ends, few = serial(k)
         with np.errstate(invalid="ignore"):     # a start no packing reaches: its ends are inf, weighed 0 at mu = 0
             best_ends = np.max([(total + np.where(mus > 0, mus * ends[None, :], 0.0) / n).max(axis=0)
                                 for total, mus in totals], axis=0)
-        bound = max(bound, float(np.min(np.maximum.reduce([best, np.broadcast_to(one, best.shape),
-                                                            np.minimum(best_ends, few)]))))
-    return bound
+        per = np.maximum(per, np.maximum.reduce([best, np.broadcast_to(one, best.shape), np.minimum(best_ends, few)]))
+    return (fits, per) if per_start else float(np.min(per))
 
 
 def _backward_work(profile: Profile, hw: Hardware, cfg: Config, ub: list[int]):
@@ -355,7 +356,8 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
 
 
 def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
-                        stash_layers: np.ndarray | None = None, upto: float = math.inf, ratio: float = 1.03) -> float:
+                        stash_layers: np.ndarray | None = None, upto: float = math.inf, ratio: float = 1.03,
+                        per_start: bool = False):
     """A lower bound on the model's iteration time of every plan of a vPP configuration (seconds; 0
     on one GPU or in vDP), tighter than ``config_bound`` where a pipeline has few
     microbatches: there a plan's largest pack and its number of handoffs set the time.
@@ -377,7 +379,8 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     Where stash variants are offered, a layer's backward microbatch counts the lesser of its
     recompute and a mix of what a stashed layer costs (``_backward_timer``: a stashed pack's
     microbatch is not a sum over its layers, but at least that sum for every mix), the larger of
-    the bounds of two mixes taken."""
+    the bounds of two mixes taken per criterion start. ``per_start``: (the criterion starts, the
+    bound per start) instead of the least, as ``config_bound``."""
     if cfg.mode != "vPP" or cfg.ranks < 2:
         return 0.0
     R = profile.num_layers
@@ -388,22 +391,23 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
     fits = np.flatnonzero(end_b >= R - 1)          # the criterion starts: [s, R-1] fits
     if len(fits) == 0:
-        return math.inf
+        return (fits, np.zeros(0)) if per_start else math.inf
     _, bw_in, bw_out, _ = link_rates(hw, cfg)
     if not hw.copy_overlap:     # tasks.py: a stashed layer's activations move at full bandwidth on the rank
         bw_in = hw.h2d_bandwidth
     layers = np.arange(R)
     timers = [_backward_timer(profile, lam, bw_in, ok) for lam in ((1.0, 0.0) if stash and ok.any() else (None,))]
-    return max(_paths(profile, hw, cfg, uf, ub, end_f, end_b, fits, [bt(u, layers, layers) for u in ub], bw_out,
-                      upto, ratio) for bt in timers)
+    per = np.max([_paths(profile, hw, cfg, uf, ub, end_f, end_b, fits, [bt(u, layers, layers) for u in ub], bw_out,
+                         upto, ratio) for bt in timers], axis=0)
+    return (fits, per) if per_start else float(per.min())
 
 
 def _paths(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], end_f: np.ndarray,
            end_b: np.ndarray, fits: np.ndarray, times_b: list[np.ndarray], bw_out: float, upto: float,
            ratio: float) -> float:
-    """``pipeline_path_bound`` with each backward microbatch's compute per layer ``times_b`` (at most
-    what any pack's option charges for it); ``end_f``, ``end_b``: max_pack_end per phase; ``fits``:
-    the criterion starts."""
+    """``pipeline_path_bound`` per criterion start in ``fits``, with each backward microbatch's compute
+    per layer ``times_b`` (at most what any pack's option charges for it); ``end_f``, ``end_b``:
+    max_pack_end per phase."""
     R = profile.num_layers
 
     def split(times):
@@ -438,7 +442,7 @@ def _paths(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[
         prev, L = L, L * ratio
     path = base + best
     per_gpu = _per_gpu_paths(profile, cfg, uf, end_b, fits, one_b, rest_b, hb, last, upto, path)
-    return float(np.min(np.maximum(path, per_gpu)))
+    return np.maximum(path, per_gpu)
 
 
 def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarray, fits: np.ndarray,
@@ -513,6 +517,165 @@ def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarr
         mid = L / 2 if P == 0.0 else math.sqrt(P * L)
         bands[j: j + 1] = [(P, mid, least(mid)), (mid, L, v)]
     return np.where(_fewest_packs(end_b)[fits] >= n - 1, per_s, 0.0)
+
+
+def vpp_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
+              stash_layers: np.ndarray | None = None, upto: float = math.inf) -> float:
+    """The tightest bound of a vPP configuration (0 on one GPU or in vDP): per criterion start s the
+    largest of ``config_bound``'s, ``pipeline_path_bound``'s and ``pipeline_gpu_bound``'s, each
+    valid for the plans of that s, then the least over s. Taken term by term, each bound's least
+    lands on a start where the others are high (bert_large D=64 vPP x4 u=8/8: config_bound 3.88 s
+    at s = 21, pipeline_gpu_bound 3.85 s at s = 15; together 3.94 s; the best plan found 4.16 s)."""
+    if cfg.mode != "vPP" or cfg.ranks < 2:
+        return 0.0
+    args = (profile, hw, batch, cfg, cap, stash, stash_layers)
+    fits, per = config_bound(*args, per_start=True)
+    if len(fits) == 0:
+        return math.inf
+    for f, v in (pipeline_path_bound(*args, upto=upto, per_start=True), pipeline_gpu_bound(*args, per_start=True)):
+        if not np.array_equal(f, fits):     # both take the criterion packs that fit; a mismatch would void the max
+            raise AssertionError("vpp_bound: the bounds disagree on the criterion starts")
+        per = np.maximum(per, v)
+    return float(per.min())
+
+
+#: The weight ``pipeline_gpu_bound`` gives the criterion pack's GPU beside every GPU alike (the rest
+#: shared alike by the others): that GPU runs the criterion pack's serial piece of work.
+CRITERION_WEIGHTS = (0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0)
+
+
+def pipeline_gpu_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
+                       stash_layers: np.ndarray | None = None, per_start: bool = False):
+    """A lower bound on the model's iteration time of every plan of a vPP configuration (seconds; 0
+    on one GPU or in vDP) from each GPU's whole path, its wait for the first microbatch, all its
+    tasks and the last microbatch's trip after them, weighed together over one packing.
+
+    In timing.py's recurrence GPU g (positions j = g mod N) starts after the first microbatch has
+    passed the tasks before it (``S_g >= sum_{i<g} p_first_i + sum_{i<=g} hop_i``), runs its tasks
+    one after another (``E_j >= S_j + load_j``, ``S_{j+N} >= E_j``), and the last microbatch then
+    passes every later task (``E_i >= E_{i-1} + hop_i + p_last_i``) before the last step: ``T >=
+    P_g`` for each g, so ``T >= sum_g w_g P_g`` for weights w summing to 1. Indexed by the offset
+    (g - the criterion pack's position) mod N, the weighted sum is a sum over the tasks of costs
+    set by each task's position class (exact below N from its end of the chain, else modulo N),
+    and its least over packings a shortest path over the layer boundaries (``_class_packing``):
+    forward packs from layer 0 per residue of the criterion pack's position, backward packs from
+    layer 0 up per residue of their number, joined at each criterion start s (``_gpu_paths``).
+    ``config_bound`` takes the GPUs' busy time as their average and the waits at the ends apart,
+    each the least over packings on its own; here a packing that idles a GPU at the ends, or loads
+    the criterion pack's, pays for it on that GPU's path. Each start takes the best weights of
+    ``CRITERION_WEIGHTS``; plans of fewer than N tasks their busiest GPU, at least the compute
+    over N - 1. Where stash variants are offered, backward microbatches are timed as in
+    ``pipeline_path_bound``, each mix a valid bound. ``per_start``: as ``config_bound``."""
+    if cfg.mode != "vPP" or cfg.ranks < 2:
+        return 0.0
+    n, R = cfg.ranks, profile.num_layers
+    profile = profile.with_compute_scale(hw.compute_scale)
+    uf, ub = split_microbatches(batch, cfg.u_fwd), split_microbatches(batch, cfg.u_bwd)
+    ok = stashable_layers(profile, hw, cfg, uf, ub) if stash_layers is None else np.asarray(stash_layers, bool)
+    end_f = max_pack_end(profile.costs("FWD", cfg.u_fwd), cap)
+    end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
+    fits = np.flatnonzero(end_b >= R - 1)
+    if len(fits) == 0:
+        return (fits, np.zeros(0)) if per_start else math.inf
+    _, bw_in, bw_out, _ = link_rates(hw, cfg)
+    if not hw.copy_overlap:
+        bw_in = hw.h2d_bandwidth
+    layers = np.arange(R)
+    timers = [_backward_timer(profile, lam, bw_in, ok) for lam in ((1.0, 0.0) if stash and ok.any() else (None,))]
+    hf, hc, hb = boundary_hops(profile, hw, cfg, uf, ub)
+    top = np.full(len(fits), R - 1)
+    crit = (sum(k * profile.costs("BWD", u).pack_time(fits, top) for u, k in collections.Counter(ub).items()),
+            profile.costs("BWD", ub[0]).pack_time(fits, top), profile.costs("BWD", ub[-1]).pack_time(fits, top),
+            hc[fits])
+    prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])
+    fwd = (prefix(sum(profile.costs("FWD", u).time for u in uf)), prefix(profile.costs("FWD", uf[0]).time), hf)
+    w = np.array([np.full(n, 1.0 / n)] + [[c] + [(1 - c) / (n - 1)] * (n - 1) for c in CRITERION_WEIGHTS])
+    per = np.zeros(len(fits))
+    for bt in timers:
+        bwd = (prefix(sum(bt(u, layers, layers) for u in ub)), prefix(bt(ub[-1], layers, layers)), hb)
+        tasks = (fwd[0][fits] + crit[0] + bwd[0][fits]) / (n - 1)     # fewer than N tasks: N - 1 GPUs at most
+        paths = _gpu_paths(n, w, fits, end_f, end_b, fwd, bwd, crit) + _last_step(profile, hw, bw_out)
+        per = np.maximum(per, np.minimum(paths, tasks).max(axis=0))
+    return (fits, per) if per_start else float(per.min())
+
+
+def _gpu_paths(n: int, w: np.ndarray, fits: np.ndarray, end_f: np.ndarray, end_b: np.ndarray, fwd, bwd, crit
+               ) -> np.ndarray:
+    """``pipeline_gpu_bound``'s least weighted sum of the GPUs' paths (the last step aside), per row
+    of ``w`` (weights by offset from the criterion pack's GPU) and criterion start in ``fits``; inf
+    where no packing of N tasks or more is. ``fwd``: the forward packs' load and first microbatch
+    (prefix sums), their handoffs per start layer; ``bwd``: the backward packs' load and last
+    microbatch, their handoffs per top boundary; ``crit``: the criterion pack's load, first and last
+    microbatch and handoff, per start."""
+    V, top = len(w), int(fits.max())
+    classes = np.arange(2 * n)      # k < n: the k-th pack (from its end of the chain); n + m: further, m modulo n
+
+    def offsets(shift, sign):       # per class, its task's offset from the criterion pack's position
+        return (sign * (classes % n - shift)) % n
+
+    def waiting(off):
+        """Per class below n, the weights of the GPUs whose paths pass its task's first microbatch
+        (forward: the positions after it) or last one (backward: the positions beyond it from the end)."""
+        out = np.zeros((V, 2 * n))
+        for k in range(n):
+            out[:, k] = w[:, [off[e] for e in range(k + 1, n)]].sum(axis=1)
+        return out
+    f_rows, b_rows = [], []
+    for a in range(n):              # the criterion pack at position a (mod n): forward classes by position
+        off = offsets(a, 1)
+        own, first = w[:, off], waiting(off)
+        hop = first + np.where(classes < n, own, 0.0)       # the k-th pack's own GPU waits for its handoff too
+        f_rows.append(_class_packing(n, top, end_f, fwd, True, own, first, hop)[fits])
+    for b in range(n):              # b backward packs (mod n): classes by count from the end, offset b - k
+        off = offsets(b, -1)
+        after = waiting(off)
+        b_rows.append(_class_packing(n, top, end_b, bwd, False, w[:, off], after, after)[fits])
+    load, first, last, hop = crit
+    best = np.full((V, len(fits)), np.inf)
+    for a in range(n):
+        for ca in (a, n + a):       # a forward packs (ca < n) or a plus a multiple of n
+            v_a = f_rows[a][:, :, ca].T + w[:, :1] * load
+            if ca < n:              # the criterion pack among the first N: the later GPUs wait for its first microbatch
+                later = w[:, [(g - a) % n for g in range(ca + 1, n)]].sum(axis=1, keepdims=True)
+                v_a = v_a + later * first + (later + w[:, :1]) * hop
+            for b in range(n):
+                for cb in (b, n + b):
+                    if ca < n and cb < n and ca + 1 + cb < n:
+                        continue    # fewer than N tasks: pipeline_gpu_bound's ``tasks``
+                    v = v_a + b_rows[b][:, :, cb].T
+                    if cb < n - 1:  # among the last N - 1: the GPUs done before it wait for its last microbatch
+                        done = w[:, [(b - e) % n for e in range(cb + 1, n)]].sum(axis=1, keepdims=True)
+                        v = v + done * (hop + last)
+                    best = np.minimum(best, v)
+    return best
+
+
+def _class_packing(n: int, top: int, end: np.ndarray, cols, hop_at_start: bool, w_load: np.ndarray,
+                   w_micro: np.ndarray, w_hop: np.ndarray) -> np.ndarray:
+    """``least[c, v, k]``: per weights row v (rows of the ``w_*``, one column per class), the least
+    cost of packing layers [0, c - 1] into packs that fit (``end``) with class k (``_gpu_paths``)
+    next; the pack placed in class k costs ``w_load[v, k] * load + w_micro[v, k] * micro`` (``cols``:
+    load and micro prefix-summed, the handoffs) ``+ w_hop[v, k] * hop``, the handoff at its start
+    layer (``hop_at_start``) or at its top boundary. Every weights row at once: one vector step per
+    boundary."""
+    load, micro, hop = cols
+    V, K = w_load.shape
+    nxt = np.array([k + 1 if k + 1 < n else n for k in range(n)] + [n + (m + 1) % n for m in range(n)])
+    scatter = (np.arange(V)[:, None] * K + nxt[None, :]).ravel()
+    least = np.full((top + 1, V * K), np.inf)
+    least[0, ::K] = 0.0
+    opened = np.full((top + 1, V * K), np.inf)      # least[x] less what a pack from x is charged below x
+    hops = np.concatenate([hop, [0.0]])
+    wl, wm, wh = w_load.ravel(), w_micro.ravel(), w_hop.ravel()
+    for c in range(1, top + 1):
+        x = c - 1
+        opened[x] = least[x] - wl * load[x] - wm * micro[x] + (wh * hops[x] if hop_at_start else 0.0)
+        ok = np.flatnonzero(end[:c] >= x)
+        if len(ok) == 0:
+            continue
+        cand = opened[ok].min(axis=0) + wl * load[c] + wm * micro[c] + (0.0 if hop_at_start else wh * hops[c])
+        np.minimum.at(least[c], scatter, cand)
+    return least.reshape(top + 1, V, K)
 
 
 def _forward_before(profile: Profile, uf: list[int], starts: np.ndarray) -> np.ndarray:

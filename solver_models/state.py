@@ -37,7 +37,7 @@ class Candidate:
     handoff: bool = False           # its plans keep gradients on the GPU (Plan.gpu_handoff)
     tight: bool = True              # ``bound`` already holds the DP's with the stash variants (tighten)
     tight_floor: bool = True        # ``floor`` already holds the DP's on every variant (tighten)
-    pathed: bool = False            # vPP: ``bound`` already holds pipeline_path_bound's (tighten)
+    pathed: bool = False            # vPP: ``bound`` already holds vpp_bound's (tighten)
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ import dataclasses
 
 
 from .. import chain, dp, pipeline, pool, search
-from ..bounds import pipeline_path_bound
+from ..bounds import vpp_bound
 from ..options import configurations
 from ..budget import FINE_CUTS, MAX_PIPELINE_VARIABLES, Budget, Tally
 from ..state import Candidate, Search
@@ -16,7 +16,8 @@ from .first import afford_dp
 
 
 def tighten(S: Search, c: Candidate, floor: bool = False) -> None:
-    """A vPP configuration's bound from its serial paths (``pipeline_path_bound``). A chain
+    """A vPP configuration's bound from its paths (``vpp_bound``: the serial paths and each GPU's,
+    with the cheap bound, per start of the criterion pack). A chain
     configuration's bounds from the DP: with the stash variants, their memory coupling left
     out (dp.py), the DP's optimum bounds every plan of the model searched (``bound``); with gradients
     kept on the GPU too, whose every cost is at most the plain model's, every plan of every variant
@@ -26,7 +27,7 @@ def tighten(S: Search, c: Candidate, floor: bool = False) -> None:
     if c.cfg.ranks > 1:
         if not c.pathed:
             c.pathed = True
-            value = pipeline_path_bound(S.profile, S.hw, S.batch, c.cfg, S.cap, S.stash(c.cfg), upto=c.value)
+            value = vpp_bound(S.profile, S.hw, S.batch, c.cfg, S.cap, S.stash(c.cfg), upto=c.value)
             S.budget.spend(Budget.PER_PATH_LAYER * S.profile.num_layers)
             # at most the value in ticks (timing.py rounds each task's times to 100 us)
             c.bound = c.floor = max(c.bound, min(value, c.value))
