@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import heapq
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -383,6 +384,31 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     bound per start) instead of the least, as ``config_bound``."""
     if cfg.mode != "vPP" or cfg.ranks < 2:
         return 0.0
+    p = _pipeline(profile, hw, batch, cfg, cap, stash, stash_layers)
+    if len(p.fits) == 0:
+        return (p.fits, np.zeros(0)) if per_start else math.inf
+    layers = np.arange(p.profile.num_layers)
+    per = np.max([_paths(p.profile, hw, cfg, p.uf, p.ub, p.end_f, p.end_b, p.fits,
+                         [bt(u, layers, layers) for u in p.ub], p.bw_out, upto, ratio) for bt in p.timers], axis=0)
+    return (p.fits, per) if per_start else float(per.min())
+
+
+class _Pipeline(NamedTuple):
+    """What the vPP path bounds share: the profile at the hardware's compute scale, the microbatch
+    sizes, max_pack_end per phase, the criterion starts whose pack fits, the link's GPU->host rate
+    and the backward timers (``_backward_timer``, one per stash mix where stash variants are offered)."""
+    profile: Profile
+    uf: list[int]
+    ub: list[int]
+    end_f: np.ndarray
+    end_b: np.ndarray
+    fits: np.ndarray
+    bw_out: float
+    timers: list
+
+
+def _pipeline(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
+              stash_layers: np.ndarray | None) -> _Pipeline:
     R = profile.num_layers
     profile = profile.with_compute_scale(hw.compute_scale)
     uf, ub = split_microbatches(batch, cfg.u_fwd), split_microbatches(batch, cfg.u_bwd)
@@ -390,21 +416,16 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
     end_f = max_pack_end(profile.costs("FWD", cfg.u_fwd), cap)
     end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
     fits = np.flatnonzero(end_b >= R - 1)          # the criterion starts: [s, R-1] fits
-    if len(fits) == 0:
-        return (fits, np.zeros(0)) if per_start else math.inf
     _, bw_in, bw_out, _ = link_rates(hw, cfg)
     if not hw.copy_overlap:     # tasks.py: a stashed layer's activations move at full bandwidth on the rank
         bw_in = hw.h2d_bandwidth
-    layers = np.arange(R)
     timers = [_backward_timer(profile, lam, bw_in, ok) for lam in ((1.0, 0.0) if stash and ok.any() else (None,))]
-    per = np.max([_paths(profile, hw, cfg, uf, ub, end_f, end_b, fits, [bt(u, layers, layers) for u in ub], bw_out,
-                         upto, ratio) for bt in timers], axis=0)
-    return (fits, per) if per_start else float(per.min())
+    return _Pipeline(profile, uf, ub, end_f, end_b, fits, bw_out, timers)
 
 
 def _paths(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], end_f: np.ndarray,
            end_b: np.ndarray, fits: np.ndarray, times_b: list[np.ndarray], bw_out: float, upto: float,
-           ratio: float) -> float:
+           ratio: float) -> np.ndarray:
     """``pipeline_path_bound`` per criterion start in ``fits``, with each backward microbatch's compute
     per layer ``times_b`` (at most what any pack's option charges for it); ``end_f``, ``end_b``:
     max_pack_end per phase."""
@@ -559,7 +580,7 @@ def pipeline_gpu_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, 
     set by each task's position class (exact below N from its end of the chain, else modulo N),
     and its least over packings a shortest path over the layer boundaries (``_class_packing``):
     forward packs from layer 0 per residue of the criterion pack's position, backward packs from
-    layer 0 up per residue of their number, joined at each criterion start s (``_gpu_paths``).
+    layer 0 up per residue of their number, joined at each criterion start s (``_weighted_paths``).
     ``config_bound`` takes the GPUs' busy time as their average and the waits at the ends apart,
     each the least over packings on its own; here a packing that idles a GPU at the ends, or loads
     the criterion pack's, pays for it on that GPU's path. Each start takes the best weights of
@@ -568,20 +589,11 @@ def pipeline_gpu_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, 
     ``pipeline_path_bound``, each mix a valid bound. ``per_start``: as ``config_bound``."""
     if cfg.mode != "vPP" or cfg.ranks < 2:
         return 0.0
-    n, R = cfg.ranks, profile.num_layers
-    profile = profile.with_compute_scale(hw.compute_scale)
-    uf, ub = split_microbatches(batch, cfg.u_fwd), split_microbatches(batch, cfg.u_bwd)
-    ok = stashable_layers(profile, hw, cfg, uf, ub) if stash_layers is None else np.asarray(stash_layers, bool)
-    end_f = max_pack_end(profile.costs("FWD", cfg.u_fwd), cap)
-    end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
-    fits = np.flatnonzero(end_b >= R - 1)
+    p = _pipeline(profile, hw, batch, cfg, cap, stash, stash_layers)
+    n, R, profile, uf, ub, fits = cfg.ranks, profile.num_layers, p.profile, p.uf, p.ub, p.fits
     if len(fits) == 0:
         return (fits, np.zeros(0)) if per_start else math.inf
-    _, bw_in, bw_out, _ = link_rates(hw, cfg)
-    if not hw.copy_overlap:
-        bw_in = hw.h2d_bandwidth
     layers = np.arange(R)
-    timers = [_backward_timer(profile, lam, bw_in, ok) for lam in ((1.0, 0.0) if stash and ok.any() else (None,))]
     hf, hc, hb = boundary_hops(profile, hw, cfg, uf, ub)
     top = np.full(len(fits), R - 1)
     crit = (sum(k * profile.costs("BWD", u).pack_time(fits, top) for u, k in collections.Counter(ub).items()),
@@ -590,16 +602,17 @@ def pipeline_gpu_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, 
     prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])
     fwd = (prefix(sum(profile.costs("FWD", u).time for u in uf)), prefix(profile.costs("FWD", uf[0]).time), hf)
     w = np.array([np.full(n, 1.0 / n)] + [[c] + [(1 - c) / (n - 1)] * (n - 1) for c in CRITERION_WEIGHTS])
+    last = _last_step(profile, hw, p.bw_out)
     per = np.zeros(len(fits))
-    for bt in timers:
+    for bt in p.timers:
         bwd = (prefix(sum(bt(u, layers, layers) for u in ub)), prefix(bt(ub[-1], layers, layers)), hb)
         tasks = (fwd[0][fits] + crit[0] + bwd[0][fits]) / (n - 1)     # fewer than N tasks: N - 1 GPUs at most
-        paths = _gpu_paths(n, w, fits, end_f, end_b, fwd, bwd, crit) + _last_step(profile, hw, bw_out)
+        paths = _weighted_paths(n, w, fits, p.end_f, p.end_b, fwd, bwd, crit) + last
         per = np.maximum(per, np.minimum(paths, tasks).max(axis=0))
     return (fits, per) if per_start else float(per.min())
 
 
-def _gpu_paths(n: int, w: np.ndarray, fits: np.ndarray, end_f: np.ndarray, end_b: np.ndarray, fwd, bwd, crit
+def _weighted_paths(n: int, w: np.ndarray, fits: np.ndarray, end_f: np.ndarray, end_b: np.ndarray, fwd, bwd, crit
                ) -> np.ndarray:
     """``pipeline_gpu_bound``'s least weighted sum of the GPUs' paths (the last step aside), per row
     of ``w`` (weights by offset from the criterion pack's GPU) and criterion start in ``fits``; inf
@@ -620,23 +633,25 @@ def _gpu_paths(n: int, w: np.ndarray, fits: np.ndarray, end_f: np.ndarray, end_b
         for k in range(n):
             out[:, k] = w[:, [off[e] for e in range(k + 1, n)]].sum(axis=1)
         return out
-    f_rows, b_rows = [], []
+    f_rows, f_wait, b_rows, b_wait = [], [], [], []
     for a in range(n):              # the criterion pack at position a (mod n): forward classes by position
         off = offsets(a, 1)
         own, first = w[:, off], waiting(off)
         hop = first + np.where(classes < n, own, 0.0)       # the k-th pack's own GPU waits for its handoff too
         f_rows.append(_class_packing(n, top, end_f, fwd, True, own, first, hop)[fits])
+        f_wait.append(first)
     for b in range(n):              # b backward packs (mod n): classes by count from the end, offset b - k
         off = offsets(b, -1)
         after = waiting(off)
         b_rows.append(_class_packing(n, top, end_b, bwd, False, w[:, off], after, after)[fits])
+        b_wait.append(after)
     load, first, last, hop = crit
     best = np.full((V, len(fits)), np.inf)
     for a in range(n):
         for ca in (a, n + a):       # a forward packs (ca < n) or a plus a multiple of n
             v_a = f_rows[a][:, :, ca].T + w[:, :1] * load
             if ca < n:              # the criterion pack among the first N: the later GPUs wait for its first microbatch
-                later = w[:, [(g - a) % n for g in range(ca + 1, n)]].sum(axis=1, keepdims=True)
+                later = f_wait[a][:, ca:ca + 1]
                 v_a = v_a + later * first + (later + w[:, :1]) * hop
             for b in range(n):
                 for cb in (b, n + b):
@@ -644,8 +659,7 @@ def _gpu_paths(n: int, w: np.ndarray, fits: np.ndarray, end_f: np.ndarray, end_b
                         continue    # fewer than N tasks: pipeline_gpu_bound's ``tasks``
                     v = v_a + b_rows[b][:, :, cb].T
                     if cb < n - 1:  # among the last N - 1: the GPUs done before it wait for its last microbatch
-                        done = w[:, [(b - e) % n for e in range(cb + 1, n)]].sum(axis=1, keepdims=True)
-                        v = v + done * (hop + last)
+                        v = v + b_wait[b][:, cb:cb + 1] * (hop + last)
                     best = np.minimum(best, v)
     return best
 
@@ -653,7 +667,7 @@ def _gpu_paths(n: int, w: np.ndarray, fits: np.ndarray, end_f: np.ndarray, end_b
 def _class_packing(n: int, top: int, end: np.ndarray, cols, hop_at_start: bool, w_load: np.ndarray,
                    w_micro: np.ndarray, w_hop: np.ndarray) -> np.ndarray:
     """``least[c, v, k]``: per weights row v (rows of the ``w_*``, one column per class), the least
-    cost of packing layers [0, c - 1] into packs that fit (``end``) with class k (``_gpu_paths``)
+    cost of packing layers [0, c - 1] into packs that fit (``end``) with class k (``_weighted_paths``)
     next; the pack placed in class k costs ``w_load[v, k] * load + w_micro[v, k] * micro`` (``cols``:
     load and micro prefix-summed, the handoffs) ``+ w_hop[v, k] * hop``, the handoff at its start
     layer (``hop_at_start``) or at its top boundary. Every weights row at once: one vector step per
