@@ -220,6 +220,14 @@ def _f95(d: int) -> float:
     return min(v for k, v in _F95 if k <= d)
 
 
+def _gains(held: float, free: float, y: np.ndarray, d: int) -> bool:
+    """Whether freeing the fixed cost lowers the squared residual from ``held`` to ``free``
+    significantly (F-test at 95 %, ``d`` residual degrees of freedom); residuals below a
+    billionth of ``y``'s scale count as none."""
+    tiny = 1e-18 * float(y @ y)
+    return held > tiny and (free <= tiny or (held - free) / (free / d) > _f95(d))
+
+
 def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
           fixed_first: bool = False, fixed0: float | None = None, kinds=None) -> tuple[float | None, float, str]:
     """Least squares of ``y = a * x + b * n`` with ``a > 0`` and ``b >= 0`` (``two=False``: ``b = 0``).
@@ -282,8 +290,7 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
         p = len(y)
         free = float(((y - a * x - b * n) ** 2).sum())
         held = float(((y - kept * x - fixed0 * n) ** 2).sum())
-        tiny = 1e-18 * float(y @ y)
-        told = p >= MIN_FIXED_GROUPS and held > tiny and (free <= tiny or (held - free) / (free / (p - 2)) > _f95(p - 2))
+        told = p >= MIN_FIXED_GROUPS and _gains(held, free, y, p - 2)
         labels = sorted(set(kinds)) if kinds is not None else []
         if told and not negative and len(labels) > 1:    # and within the kinds, each with a slope of its own?
             told = _told_within(np.column_stack([np.where(np.asarray(kinds) == k, x, 0.0) for k in labels]),
@@ -312,8 +319,7 @@ def _told_within(per: np.ndarray, n: np.ndarray, y: np.ndarray, fixed0: float) -
     rest = y - fixed0 * n
     held_coef, *_ = np.linalg.lstsq(per / scale[:-1], rest, rcond=None)
     held = float(((rest - (per / scale[:-1]) @ held_coef) ** 2).sum())
-    tiny = 1e-18 * float(y @ y)
-    return b > 0 and held > tiny and (free <= tiny or (held - free) / (free / (p - q)) > _f95(p - q))
+    return b > 0 and _gains(held, free, y, p - q)
 
 
 # -- the fit ----------------------------------------------------------------------------------------------
@@ -492,8 +498,9 @@ def calibrate(plan, profile, hardware: Hardware, measured: Timeline | Sequence[T
     """Simulate ``plan`` on ``hardware`` (before), on its neutral terms (fitted against) and on the
     fitted hardware; fit to ``measured`` (one traced step or several, pooled); close the step
     (:func:`close_step`) on ``step_time`` (the median of the measured steps' own times when not
-    given; better, of more steps, as ``calibrate`` takes every step after the first); return the Calibration with its table by kind of
-    work and the iteration times (of several measured steps, the median)."""
+    given; better, of more steps, as ``calibrate`` takes every step after the first); return the
+    Calibration with its table by kind of work and the iteration times (of several measured steps,
+    the median)."""
     from .sim.simulator import simulate
 
     base = neutral(hardware)
@@ -514,7 +521,8 @@ def calibrate(plan, profile, hardware: Hardware, measured: Timeline | Sequence[T
         cal.notes.append(note)
     after = simulate(plan, profile, cal.hardware)
     cal.table = kind_table(measured, before, cal.fitted, after)
-    cal.iteration = {"measured": traced, "traced_steps": len(steps), "target": target, "before": before.iteration_time,
+    cal.iteration = {"measured": traced, "traced_steps": len(steps), "target": target,
+                     "before": before.iteration_time,
                      "fitted": fitted, "after": after.iteration_time, "scale": factor,
                      "measured_idle": idle_time(measured), "before_idle": idle_time(before),
                      "after_idle": idle_time(after)}
