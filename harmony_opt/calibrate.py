@@ -500,7 +500,7 @@ def calibrate(plan, profile, hardware: Hardware, measured: Timeline | Sequence[T
     (:func:`close_step`) on ``step_time`` (the median of the measured steps' own times when not
     given; better, of more steps, as ``calibrate`` takes every step after the first); return the
     Calibration with its table by kind of work and the iteration times (of several measured steps,
-    the median)."""
+    the median; ``iteration["settled"]``: the step was closed on ``step_time``)."""
     from .sim.simulator import simulate
 
     base = neutral(hardware)
@@ -521,7 +521,7 @@ def calibrate(plan, profile, hardware: Hardware, measured: Timeline | Sequence[T
         cal.notes.append(note)
     after = simulate(plan, profile, cal.hardware)
     cal.table = kind_table(measured, before, cal.fitted, after)
-    cal.iteration = {"measured": traced, "traced_steps": len(steps), "target": target,
+    cal.iteration = {"measured": traced, "traced_steps": len(steps), "target": target, "settled": bool(step_time),
                      "before": before.iteration_time,
                      "fitted": fitted, "after": after.iteration_time, "scale": factor,
                      "measured_idle": idle_time(measured), "before_idle": idle_time(before),

@@ -82,7 +82,7 @@ def _calibrate(args):
     it = cal.iteration
     traced = "the traced one" if it["traced_steps"] == 1 else f"the {it['traced_steps']} traced ones' median"
     print(f"iteration: measured {it['target']:.4f} s" + (f" (median of the steps after the first; {traced} "
-          f"{it['measured']:.4f} s)" if it['target'] != it['measured'] else "") + f", simulated {it['before']:.4f} s "
+          f"{it['measured']:.4f} s)" if it["settled"] else "") + f", simulated {it['before']:.4f} s "
           f"before ({it['target'] / it['before']:.2f}x), {it['fitted']:.4f} s with the fitted terms, "
           f"{it['after']:.4f} s after closing the step ({it['target'] / it['after']:.2f}x)")
     print(f"no event running on rank 0: measured {it['measured_idle'] * 1e3:.3f} ms, simulated "
