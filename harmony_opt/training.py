@@ -135,7 +135,8 @@ def train(model, plan: Plan, data: Iterable[Batch] | None = None, *,
     step ran (:meth:`TrainResult.timeline`); with ``trace=N``, of the last step and every other one
     before it, N at most (``runtime.worker.traced_steps``; :meth:`TrainResult.timelines`), the
     steps between them untraced (:meth:`TrainResult.untraced_step_time`). ``granularity``: what the
-    device's allocator rounds each tensor up to, for the memory check and the guard (default: 512 on CUDA, exact on the CPU).
+    device's allocator rounds each tensor up to, for the memory check and the guard (default: 512
+    on CUDA, exact on the CPU).
     ``precision`` (default: the plan's, which its profile was measured in) is "fp32" or "bf16":
     forwards and recomputes under bf16 autocast, weights, gradients and optimizer state fp32
     (:mod:`harmony_opt.core.precision`); one other than the plan's is refused.
