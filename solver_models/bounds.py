@@ -633,18 +633,17 @@ def _weighted_paths(n: int, w: np.ndarray, fits: np.ndarray, end_f: np.ndarray, 
         for k in range(n):
             out[:, k] = w[:, [off[e] for e in range(k + 1, n)]].sum(axis=1)
         return out
-    f_rows, f_wait, b_rows, b_wait = [], [], [], []
-    for a in range(n):              # the criterion pack at position a (mod n): forward classes by position
-        off = offsets(a, 1)
-        own, first = w[:, off], waiting(off)
-        hop = first + np.where(classes < n, own, 0.0)       # the k-th pack's own GPU waits for its handoff too
-        f_rows.append(_class_packing(n, top, end_f, fwd, True, own, first, hop)[fits])
-        f_wait.append(first)
-    for b in range(n):              # b backward packs (mod n): classes by count from the end, offset b - k
-        off = offsets(b, -1)
-        after = waiting(off)
-        b_rows.append(_class_packing(n, top, end_b, bwd, False, w[:, off], after, after)[fits])
-        b_wait.append(after)
+    # the criterion pack at position a (mod n): forward classes by position; b backward packs (mod n):
+    # classes by count from the end, offset b - k. Every residue's weights rows in one packing.
+    f_own = [w[:, offsets(a, 1)] for a in range(n)]
+    f_wait = [waiting(offsets(a, 1)) for a in range(n)]
+    b_own = [w[:, offsets(b, -1)] for b in range(n)]
+    b_wait = [waiting(offsets(b, -1)) for b in range(n)]
+    hop = [first + np.where(classes < n, own, 0.0) for own, first in zip(f_own, f_wait)]  # its own GPU waits too
+    f_rows = _class_packing(n, top, end_f, fwd, True, *map(np.vstack, (f_own, f_wait, hop)))[fits].reshape(
+        len(fits), n, V, 2 * n).transpose(1, 0, 2, 3)
+    b_rows = _class_packing(n, top, end_b, bwd, False, *map(np.vstack, (b_own, b_wait, b_wait)))[fits].reshape(
+        len(fits), n, V, 2 * n).transpose(1, 0, 2, 3)
     load, first, last, hop = crit
     best = np.full((V, len(fits)), np.inf)
     for a in range(n):
