@@ -79,14 +79,14 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -
     base = bf.make_plans(profile, hw, cap).get(bf.CALIBRATE_ON)
     if base is None:
         return []
-    t, trace = bf.measured_in_rounds(model, {bf.CALIBRATE_ON: base}, steps, rounds, bf.calibration_traced(steps))
+    t, trace, _ = bf.measured_in_rounds(model, {bf.CALIBRATE_ON: base}, steps, rounds, bf.calibration_traced(steps))
     # the per-event fit alone: calibrate's own closing (one factor on every time term) undone
     cal = calibrate(base, profile, hw, trace[bf.CALIBRATE_ON], step_time=t[bf.CALIBRATE_ON])
     fit = scaled(cal.hardware, 1 / cal.iteration["scale"])
     free = calibrate(base, profile, hw, trace[bf.CALIBRATE_ON], step_time=t[bf.CALIBRATE_ON], prior=False)
     fits = {**dict.fromkeys(CLOSINGS, fit), "free": scaled(free.hardware, 1 / free.iteration["scale"])}
     plans = bf.make_plans(profile, cal.hardware, cap)
-    measured, _ = bf.measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds)
+    measured, _, _ = bf.measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds)
     again = measured.pop("calibrated on")
     # as bench_fidelity: closed on the calibrated-on plan's median in the rounds of the plans judged
     hws = {name: fn(base, profile, fn(base, profile, fits[name], t[bf.CALIBRATE_ON]), again)
