@@ -17,7 +17,9 @@ the code below and in the step modules' docstrings:
 4. **The simulator judges** (steps/select.py): the best candidates and the incumbent are
    simulated and the fastest wins; where the winner is a chain that may keep gradients on the
    GPU, the DP also searches that model's own chains (4b).
-5. **Polish** (steps/select.py): a descent judged by the simulator.
+5. **Polish** (steps/select.py): where the winner is a vPP plan, its plans with the loss pack
+   starting nearby, each the model's descent with that start held, judged by the simulator; then a
+   descent judged by the simulator.
 6. **The timeline model** (steps/order.py, event_schedule.py) schedules the chosen plan's events
    and proves how close the simulator's schedule is to the best of those events.
 7. **The order of the transfers** (steps/order.py): where another order could gain (the timeline
@@ -56,7 +58,7 @@ from .tasks import Config, build_tasks, candidate_cuts
 from .timing import evaluate, pack_starts, sequence_of_plan
 from .steps.first import first_solutions, harmony_hint
 from .steps.improve import cp_sat, local_search, tighten
-from .steps.select import handoff_chains, judge_candidates, polish, with_handoff
+from .steps.select import handoff_chains, judge_candidates, polish, sweep_starts, with_handoff
 from .steps.order import timeline_of, transfer_order
 
 
@@ -263,6 +265,8 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
         best_plan, best_t, best_c = judge_candidates(S, found, incumbent)                # 4
         if best_c is not None and best_c.cfg.ranks == 1 and S.handoff(best_c.cfg):
             best_plan, best_t = handoff_chains(S, best_c, best_plan, best_t)   # 4b
+        if best_c is not None and best_c.cfg.ranks > 1:
+            best_plan, best_t = sweep_starts(S, best_c, best_plan, best_t, found)        # 5
         if best_c is not None:
             best_plan, best_t = polish(S, best_c, best_plan, best_t, found)               # 5
             if best_c.handoff:

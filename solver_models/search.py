@@ -255,10 +255,40 @@ def neighbours(tasks: Tasks, seq: list[int]):
                 yield cand
 
 
-def improve(tasks: Tasks, seq: list[int], steps: int, seed: int = 0) -> tuple[float, list[int], int]:
+def starts_around(tasks: Tasks, seq: list[int], steps: int, seed: int = 0, around: int = 3):
+    """Per criterion start within ``around`` candidate boundaries of ``seq``'s (nearest first), the
+    better of two descents with that start held: from ``seq``'s packs cut below it, and from one pack
+    per candidate boundary. Yields (start, model value, sequence, work: tasks evaluated).
+
+    The descent moves the start one step at a time and keeps no move the model rates slower, but a
+    moved start pays off only once the packs around it are dealt again (gpt2_medium D=64 vPP x4
+    u=4/8: 10.90 s at its start 25; held at 26, 10.80 s, simulated 1.1 % faster)."""
+    cuts = tasks.cuts.tolist()
+    fwd, bwd, s0, opts = _parts(tasks, seq)
+    i0 = cuts.index(s0)
+    for i in sorted(range(max(1, i0 - around), min(len(cuts) - 1, i0 + around + 1)), key=lambda i: (abs(i - i0), i)):
+        s = cuts[i]
+        if s == s0:
+            continue
+        fine = [c for c in cuts if 0 < c < s]
+        best, work = (float("inf"), None), 0
+        for first in (_sequence(tasks, [c for c in fwd if c < s], [c for c in bwd if c < s], s, opts),
+                      _sequence(tasks, fine, fine, s)):
+            if first is None:
+                continue
+            v, q, w = improve(tasks, first, steps, seed=seed, hold_start=True)
+            work += w
+            if v < best[0]:
+                best = (v, q)
+        yield s, best[0], best[1], work
+
+
+def improve(tasks: Tasks, seq: list[int], steps: int, seed: int = 0, hold_start: bool = False
+            ) -> tuple[float, list[int], int]:
     """Local search from ``seq``: move, add or remove one pack boundary (or toggle a backward pack's
     optimizer placement); keep changes the model rates no slower. Deterministic for a seed.
-    Returns (model value, sequence, work: tasks evaluated)."""
+    ``hold_start``: the criterion pack's start stays (to weigh a bound per start against the plans
+    of that start). Returns (model value, sequence, work: tasks evaluated)."""
     rng = random.Random(seed)
     t = tasks.table
     cuts = tasks.cuts.tolist()
@@ -272,6 +302,8 @@ def improve(tasks: Tasks, seq: list[int], steps: int, seed: int = 0) -> tuple[fl
     for _ in range(steps):
         f, b, s0 = list(cur[0]), list(cur[1]), cur[2]
         r = rng.random()
+        if r < 0.1 and hold_start:
+            continue
         if r < 0.1:        # move the criterion pack's start
             i = pos.get(s0, 0) + rng.choice((-2, -1, 1, 2))
             if not 0 < i < len(cuts) - 1:

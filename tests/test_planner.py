@@ -89,6 +89,21 @@ def test_local_search_takes_a_known_improving_move():
     assert v <= v1 < v0
 
 
+def test_starts_around_reaches_the_start_a_held_descent_cannot():
+    """The instance above: held at its start 5 the descent cannot grow the criterion pack, while the
+    sweep of the starts around it tries 4, where the pack [4, 5] is strictly faster."""
+    prof, hw, cap, cfg = instance(6, 3, 2, 2, 0.5, 1, mode="vPP")
+    tasks = build_tasks(prof, hw, 8, cfg, cap)
+    start = search._sequence(tasks, [1, 2, 3, 4], [1, 2, 3, 4], 5)
+    v1 = evaluate(tasks, search._sequence(tasks, [1, 2, 3], [1, 2, 3], 4))
+    held, seq, _ = search.improve(tasks, start, 300, seed=5, hold_start=True)
+    assert packs_of(tasks, seq)[1][-1] == (5, 5) and held > v1
+    swept = {s: (v, q) for s, v, q, _ in search.starts_around(tasks, start, 300, seed=5, around=1)}
+    assert set(swept) == {4}
+    v, q = swept[4]
+    assert packs_of(tasks, q)[1][-1] == (4, 5) and v == evaluate(tasks, q) and v <= v1
+
+
 def test_harmony_search_under_our_simulator_reports_the_events_it_played():
     """plan_harmony's ``events_simulated``: what our simulator played judging every distinct
     candidate (what the planner charges to its budget for the hint)."""
