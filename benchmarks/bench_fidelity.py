@@ -94,6 +94,7 @@ def measure(model, plan, steps: int, traced: int = 1) -> tuple[float, list]:
     res = train(model, plan, steps=steps, progress=False, trace=traced)
     return res.untraced_step_time(), res.timelines()
 
+
 def make_plans(profile, hw, cap) -> dict:
     """Every planner's plan; Harmony's with every packing method of its code where its default methods
     find none (at the tightest cap, which a profile's noise decides, there is then nothing to calibrate on)."""
@@ -181,7 +182,7 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per case: the worst error, Kendall's tau of the simulated against the measured order (as
     measured, and with the pairs the runs do not tell apart as ties: ``told_apart``), and how far
-    our plan is from the fastest measured (and whether the runs tell it apart from it)."""
+    our plan is from the fastest measured (and whether it was slower in every round)."""
     out = []
     for (model, cap, stage), g in df.groupby(["model", "cap", "stage"], sort=False):
         others = g[g.planner != CALIBRATE_ON] if stage == "calibrated" else g

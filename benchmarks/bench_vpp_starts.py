@@ -44,12 +44,8 @@ SEEDS = 3
 def best_at(S: Search, tasks, seq: list[int], s: int, steps: int) -> float:
     """The least model value the local search reaches with the criterion start held at ``s``, from the
     plan's packs ``seq`` cut below s, one pack per candidate boundary, and balanced packs."""
-    cuts = [int(c) for c in tasks.cuts if 0 < c < s]
-    fwd, bwd, _, opts = search._parts(tasks, seq)
-    starts = [search._sequence(tasks, [c for c in fwd if c < s], [c for c in bwd if c < s], s, opts),
-              search._sequence(tasks, cuts, cuts, s)]
-    for k in (1, 2, 3):
-        starts.append(search.balanced(tasks, S.profile, k * S.hw.gpus, k * S.hw.gpus, s))
+    starts = search.held_firsts(tasks, seq, s) + [search.balanced(tasks, S.profile, k * S.hw.gpus, k * S.hw.gpus, s)
+                                                   for k in (1, 2, 3)]
     best = np.inf
     for seq in (q for q in starts if q is not None):
         for seed in range(SEEDS):
@@ -93,7 +89,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3000, help="local-search steps per start, seed and first packing")
     ap.add_argument("--around", type=int, default=3, help="starts on either side of the chosen plan's")
-    ap.add_argument("--only", help="one model only (printed, not saved)")
+    ap.add_argument("--only", choices=MODELS, help="one model only (printed, not saved)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "vpp_starts"))
     a = ap.parse_args(argv)
     t0 = time.perf_counter()

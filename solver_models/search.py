@@ -255,6 +255,16 @@ def neighbours(tasks: Tasks, seq: list[int]):
                 yield cand
 
 
+def held_firsts(tasks: Tasks, seq: list[int], s: int) -> list[list[int]]:
+    """First packings for a descent with the criterion start held at ``s``: ``seq``'s packs cut below
+    it (its options kept), and one pack per candidate boundary; those whose packs are candidates."""
+    fwd, bwd, _, opts = _parts(tasks, seq)
+    fine = [int(c) for c in tasks.cuts if 0 < c < s]
+    firsts = (_sequence(tasks, [c for c in fwd if c < s], [c for c in bwd if c < s], s, opts),
+              _sequence(tasks, fine, fine, s))
+    return [q for q in firsts if q is not None]
+
+
 def starts_around(tasks: Tasks, seq: list[int], steps: int, seed: int = 0, around: int = 3):
     """Per criterion start within ``around`` candidate boundaries of ``seq``'s (nearest first), the
     better of two descents with that start held: from ``seq``'s packs cut below it, and from one pack
@@ -264,18 +274,13 @@ def starts_around(tasks: Tasks, seq: list[int], steps: int, seed: int = 0, aroun
     moved start pays off only once the packs around it are dealt again (gpt2_medium D=64 vPP x4
     u=4/8: 10.90 s at its start 25; held at 26, 10.80 s, simulated 1.1 % faster)."""
     cuts = tasks.cuts.tolist()
-    fwd, bwd, s0, opts = _parts(tasks, seq)
-    i0 = cuts.index(s0)
+    i0 = cuts.index(_parts(tasks, seq)[2])
     for i in sorted(range(max(1, i0 - around), min(len(cuts) - 1, i0 + around + 1)), key=lambda i: (abs(i - i0), i)):
         s = cuts[i]
-        if s == s0:
+        if i == i0:
             continue
-        fine = [c for c in cuts if 0 < c < s]
         best, work = (float("inf"), None), 0
-        for first in (_sequence(tasks, [c for c in fwd if c < s], [c for c in bwd if c < s], s, opts),
-                      _sequence(tasks, fine, fine, s)):
-            if first is None:
-                continue
+        for first in held_firsts(tasks, seq, s):
             v, q, w = improve(tasks, first, steps, seed=seed, hold_start=True)
             work += w
             if v < best[0]:
