@@ -22,6 +22,12 @@ naive swapping. Reported per case, uncalibrated (the probed hardware) and calibr
     OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py        # writes benchmarks/results/fidelity.{csv,md,png}
     OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --rounds 1   # one run per plan: a fifth of the time
     python benchmarks/bench_fidelity.py --quick                    # one model, one cap (a smoke test)
+    OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --model benchmarks/models/llama-tiny \
+        --out benchmarks/results/fidelity_llama                      # a held-out model, the three caps
+
+``--model`` takes what ``harmony-opt profile`` takes (a built-in name, a Hugging Face model folder,
+``path/to/file.py:function``; ``--set KEY=VALUE`` its fields): the same loop on a model the
+simulator and the calibration were not tuned on.
 
 Run it on a quiet machine: every figure is a wall-clock time.
 """
@@ -42,7 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 from harmony_opt.calibrate import calibrate, close_step
 from harmony_opt.core.errors import HarmonyOptError
 from harmony_opt.core.io import atomic_write_figure, write_results
-from harmony_opt.measure.models import build_model
+from harmony_opt.commands.measure import parse_overrides
+from harmony_opt.measure.models import resolve_model
 from harmony_opt.measure.probe import probe_hardware, probe_summary
 from harmony_opt.measure.profiler import profile_model
 from harmony_opt.planners.registry import get_planner
@@ -146,7 +153,7 @@ def calibration_traced(steps: int) -> int:
 
 
 def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -> list[dict]:
-    model = build_model(model_name, **overrides)
+    model = resolve_model(model_name, **overrides)
     least = max(profile.costs("BWD", 1).pack_memory(i, i) for i in range(profile.num_layers))
     cap = int(least * factor)
     rows = []
@@ -254,13 +261,25 @@ def main(argv=None) -> int:
                          "calibrated on traces every other step from the second)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="runs per plan, interleaved across the plans; the median is reported (>= 1)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity"))
+    ap.add_argument("--model", help="run on this model instead of the three built-in cases: what `harmony-opt "
+                    "profile` takes (a built-in name, a Hugging Face model folder, path/to/file.py:function)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a field of --model's spec or config (repeatable)")
+    ap.add_argument("--out", help="results path without suffix (default: benchmarks/results/fidelity, with --model "
+                                  "fidelity_NAME)")
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT.png from OUT.csv")
     args = ap.parse_args(argv)
     if args.steps < 3:
         ap.error(f"--steps {args.steps}: give at least 3 (a warm-up step, a timed one, the traced last)")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give at least 1")
+    if args.overrides and not args.model:
+        ap.error("--set: give --model too (the built-in cases take their own fields)")
+    models = MODELS[:1] if args.quick else MODELS
+    if args.model:
+        models = ((Path(args.model.rpartition(":")[2] or args.model).name, args.model,
+                   parse_overrides(args.overrides)),)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / ("fidelity" + (f"_{models[0][0]}" if args.model else "")))
     if args.plot_only:
         print(f"wrote {plot(pd.read_csv(Path(args.out).with_suffix('.csv')), Path(args.out).with_suffix('.png'))}")
         return 0
@@ -269,17 +288,19 @@ def main(argv=None) -> int:
     print("probing this machine ...", flush=True)
     hw = probe_hardware("cpu", threads=torch.get_num_threads()).with_gpus(1)
     rows = []
-    models = MODELS[:1] if args.quick else MODELS
     for label, name, overrides in models:
         print(f"profiling {label} ...", flush=True)
-        profile = profile_model(build_model(name, **overrides), SIZES, "cpu", progress=False)
+        profile = profile_model(resolve_model(name, **overrides), SIZES, "cpu", progress=False)
         for factor in CAP_FACTORS[:1] if args.quick else CAP_FACTORS:
             rows += run_case(label, name, overrides, factor, profile, hw, args.steps, args.rounds)
     df = pd.DataFrame(rows)
     summary = summarize(df)
     out = Path(args.out)
     cmd = "OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py" + (" --quick" if args.quick else "") + \
-        (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+        (f" --rounds {args.rounds}" if args.rounds != 5 else "") + \
+        (f" --model {args.model}" + "".join(f" --set {o}" for o in args.overrides) if args.model else "") + \
+        (f" --out {Path(args.out).resolve().relative_to(ROOT)}" if args.model and
+         Path(args.out).resolve().is_relative_to(ROOT) else "")
     text = ["# Simulated against measured step time, before and after calibration\n",
             f"`{cmd}` ({time.perf_counter() - t0:.0f} s); {machine_description()}; "
             f"{torch.get_num_threads()} intra-op thread(s); batch {BATCH}, {args.steps} steps per run "
