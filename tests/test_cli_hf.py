@@ -76,6 +76,14 @@ def test_a_config_only_folder_builds_a_seeded_random_model_and_set_changes_its_c
     (lambda d: _tiny_gpt2(d, weights=False), ["--set", "no_such_field=1"], "not a field of its config"),
     (lambda d: (d.mkdir(), (d / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "architectures": ["GPT2Model"]}))), [], "is not a causal LM"),
+    # a config the model's own forward fails on (more key/value heads than heads): the config, not the cut
+    (lambda d: (d.mkdir(), (d / "config.json").write_text(json.dumps(
+        {"model_type": "stablelm", "architectures": ["StableLmForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 8}))),
+     [], "StableLmForCausalLM: the model's own forward fails on a batch of (2, 8) tokens: RuntimeError"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text(json.dumps(
+        {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+         "n_layer": 1, "n_head": 4}))), [], "BloomForCausalLM is not supported: its blocks (BloomBlock) need alibi"),
 ])
 def test_bad_hugging_face_folders_are_one_line_with_exit_2(tmp_path, capsys, make, argv_tail, fragment):
     make(tmp_path / "m")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 
 import pytest
 import torch
@@ -47,11 +48,35 @@ def _tiny(family: str):
                                               num_attention_heads=4, max_position_embeddings=64,
                                               word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0,
                                               layerdrop=0.0, pad_token_id=1))
+    if family == "phi":         # final_layernorm, partial rotary, parallel attention and MLP
+        return tf.PhiForCausalLM(tf.PhiConfig(**small, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
+    if family == "falcon":      # rotary, no ALiBi: its blocks take alibi=None
+        return tf.FalconForCausalLM(tf.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=4, alibi=False, hidden_dropout=0.0,
+                                                    attention_dropout=0.0, bos_token_id=1, eos_token_id=1))
+    if family == "gemma2":      # scaled embedding, sliding and global layers alternating, soft-capped logits
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                                    pad_token_id=0, final_logit_softcapping=0.5))
+    if family == "cohere":      # logits scaled after the head
+        return tf.CohereForCausalLM(tf.CohereConfig(**small, num_key_value_heads=4, logit_scale=0.25, pad_token_id=0,
+                                                    bos_token_id=1, eos_token_id=2))
+    if family == "gpt_neox":
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**small, hidden_dropout=0.0, attention_dropout=0.0,
+                                                      bos_token_id=1, eos_token_id=1))
     bert = tf.BertConfig(**small, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
     if family == "bert-mlm":
         return tf.BertForMaskedLM(bert)
     if family == "bert-cls":
         return tf.BertForSequenceClassification(bert)
+    roberta = tf.RobertaConfig(**small, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+                               pad_token_id=1)
+    if family == "roberta-mlm":     # lm_head; positions from the padding index on
+        return tf.RobertaForMaskedLM(roberta)
+    if family == "roberta-cls":     # no pooler: the classifier reads the first token
+        return tf.RobertaForSequenceClassification(roberta)
+    if family == "electra-mlm":     # embeddings narrower than the blocks, projected
+        return tf.ElectraForMaskedLM(tf.ElectraConfig(**small, embedding_size=16, hidden_dropout_prob=0.0,
+                                                      attention_probs_dropout_prob=0.0))
     raise KeyError(family)
 
 
@@ -186,14 +211,16 @@ def test_a_tied_run_resumes_exactly(tmp_path):
 
 # -- the generic path -----------------------------------------------------------------------------
 
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "opt", "bert-mlm", "bert-cls"]
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "opt", "phi", "falcon", "gemma2", "cohere", "gpt_neox", "bert-mlm", "bert-cls",
+            "roberta-mlm", "roberta-cls", "electra-mlm"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_reproduces_the_models_loss_and_trains_like_it(family):
     hf = _tiny(family)
     model = decompose_hf(hf, example=_tiny_example(hf, family))
-    assert model.num_layers == hf.config.num_hidden_layers + (4 if family != "bert-mlm" else 3)
+    three = family.endswith("-mlm") or family == "roberta-cls"      # no pooler or final norm
+    assert model.num_layers == hf.config.num_hidden_layers + (3 if three else 4)
     err, moved = run(family, three_packs)
     assert moved > 1e-3
     assert err < 1e-5, (family, err)
@@ -201,7 +228,7 @@ def test_each_family_reproduces_the_models_loss_and_trains_like_it(family):
 
 def _tiny_example(hf, family):
     x = torch.randint(hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
-    return x, (torch.tensor([0, 2]) if family == "bert-cls" else x.clone())
+    return x, (torch.tensor([0, 2]) if family.endswith("-cls") else x.clone())
 
 
 @pytest.mark.slow
@@ -224,7 +251,27 @@ def test_unsupported_models_are_refused_naming_what_is_missing():
                                                    d_kv=8))
     with pytest.raises(UnsupportedModelError, match="T5ForConditionalGeneration"):
         decompose_hf(t5)
+    bloom = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
+    with pytest.raises(UnsupportedModelError, match=r"BloomForCausalLM is not supported: its blocks \(BloomBlock\) "
+                                                    r"need alibi from the base model"):
+        decompose_hf(bloom)
     assert issubclass(UnsupportedModelError, UsageError)
+
+
+def test_a_folder_whose_model_the_cut_would_change_is_refused(tmp_path, monkeypatch):
+    """A Hugging Face folder is checked on a short batch: where the layers' loss is not the model's
+    (here Cohere's logit scale left out), loading it is refused, not trained as another model."""
+    from harmony_opt.measure import hf as hf_module
+    from harmony_opt.measure.hf import load_hf_directory
+
+    _tiny("cohere").config.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["CohereForCausalLM"]}))
+    assert load_hf_directory(tmp_path).num_layers == 2 + 4
+    monkeypatch.setattr(hf_module.LogitHead, "forward", lambda self, h: self.head(h))
+    with pytest.raises(UnsupportedModelError, match=rf"--model {tmp_path}: the layers of CohereForCausalLM give "
+                                                    r"loss [\d.]+ on the example but the model gives [\d.]+"):
+        load_hf_directory(tmp_path)
 
 
 @pytest.mark.gpu
@@ -257,9 +304,9 @@ def padded_batches(hf, family: str, batch: int = 4, seq: int = 16, pad: int = 4,
         mask[0::2, seq - pad:] = 0
         mask[1::2, :pad] = 0
         labels = ids.masked_fill(mask == 0, -100)
-        if family in ("gpt2", "llama", "opt"):
+        if not family.endswith(("-mlm", "-cls")):      # a causal LM: its first real token is not predicted
             labels[1::2, pad] = -100
-        if family == "bert-cls":
+        if family.endswith("-cls"):
             labels = torch.randint(hf.config.num_labels, (batch,), generator=g)
         out.append((torch.stack([ids, mask], 1), labels))
     return out
@@ -274,9 +321,7 @@ def padded_reference(hf, data, masked: bool) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in hf.named_parameters()}
 
 
-@pytest.mark.parametrize("family, mode, gpus", [("gpt2", "vPP", 1), ("llama", "vPP", 1), ("opt", "vPP", 1),
-                                               ("bert-mlm", "vPP", 1), ("bert-cls", "vPP", 1),
-                                               ("gpt2", "vDP", 2)])
+@pytest.mark.parametrize("family, mode, gpus", [*((f, "vPP", 1) for f in FAMILIES), ("gpt2", "vDP", 2)])
 def test_padded_text_trains_like_hugging_face_given_the_attention_mask(family, mode, gpus):
     hf = _tiny(family)
     ours = copy.deepcopy(hf)

@@ -37,7 +37,7 @@ from ..core.errors import UnsupportedModelError, UsageError
 from .decompose import ClassificationLoss, LayeredModel, run_layers
 
 #: Names the base models give the modules that run after the blocks, in the order they run.
-_AFTER_BLOCKS = ("norm", "ln_f", "final_layer_norm", "final_norm", "project_out")
+_AFTER_BLOCKS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm", "norm_f", "project_out")
 
 
 class Embedding(nn.Module):
@@ -76,12 +76,13 @@ class DecoderBlock(nn.Module):
     """One decoder block with what the base model passes it: the causal mask (sliding-window for a
     sliding-attention layer), the position ids and, for rotary models, the position embeddings."""
 
-    def __init__(self, block: nn.Module, config, sliding: bool, rotary: nn.Module | None):
+    def __init__(self, block: nn.Module, config, sliding: bool, rotary: nn.Module | None, extra: dict | None = None):
         super().__init__()
         self.block = block
         self.config = config
         self.sliding = sliding
         self.rotary_emb = rotary
+        self.extra = dict(extra or {})      # further arguments, as the base model passes them
         self.takes_positions = "position_ids" in inspect.signature(block.forward).parameters
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +92,7 @@ class DecoderBlock(nn.Module):
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = make(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=positions,
                     **{_cache_kwarg(): None})
-        kwargs = {"attention_mask": mask}
+        kwargs = {"attention_mask": mask, **self.extra}
         if self.takes_positions:
             kwargs["position_ids"] = positions
         if self.rotary_emb is not None:
@@ -182,6 +183,26 @@ def _with_mask(layers: list[nn.Module], blocks: int, config, encoder: bool) -> l
     return [SplitInput(first, takes_mask=not encoder), *body, DropMask(layers[1 + blocks]), *layers[2 + blocks:]]
 
 
+class LogitHead(nn.Module):
+    """The LM head with what the causal LM's own forward does to its logits after it: a scale
+    (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``), then a soft cap (Gemma 2's and 3's
+    ``final_logit_softcapping``)."""
+
+    def __init__(self, head: nn.Module, scale: float = 1.0, softcap: float | None = None):
+        super().__init__()
+        self.head = head
+        self.scale = scale
+        self.softcap = softcap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 class CausalLMLoss(nn.Module):
     """Next-token cross entropy as a causal LM computes it from ``labels``: shifted inside, ``-100``
     ignored, mean over the predicted tokens (with every token labelled, also the mean over samples)."""
@@ -250,13 +271,36 @@ def _decoder_layers(hf_model: nn.Module, what: str) -> list[nn.Module]:
     config = hf_model.config
     types = getattr(config, "layer_types", None)
     rotary = container._modules.get("rotary_emb")
+    # Falcon's blocks take an ``alibi`` argument, None where its config turns ALiBi off (Bloom's always use it)
+    extra = {"alibi": None} if getattr(config, "alibi", True) is False else {}
+    needs = [n for n in _inputs_not_given(blocks[0], rotary is not None) if n not in extra]
+    if needs:       # an ALiBi bias, say, which only the base model's forward computes
+        raise UnsupportedModelError(f"{what} is not supported: its blocks ({type(blocks[0]).__name__}) need "
+                                    f"{', '.join(needs)} from the base model, and the cut passes a block only the "
+                                    f"causal mask, the position ids and the rotary embeddings")
+    extra = {k: v for k, v in extra.items() if k in inspect.signature(blocks[0].forward).parameters}
     wrapped = []
     for i, block in enumerate(blocks):
         sliding = (types[i] == "sliding_attention") if types else getattr(config, "sliding_window", None) is not None
-        wrapped.append(DecoderBlock(block, config, sliding, rotary))
+        wrapped.append(DecoderBlock(block, config, sliding, rotary, extra))
     final = [container._modules[n] for n in after]
+    scale = getattr(hf_model, "logit_scale", None)          # Cohere's, a number
+    scale = float(scale) if isinstance(scale, (int, float)) else 1.0
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)     # Granite's
+    softcap = getattr(config, "final_logit_softcapping", None)        # Gemma 2's and 3's
+    if scale != 1.0 or softcap is not None:
+        head = LogitHead(head, scale, softcap)
     return [Embedding(container, attr, after), *wrapped,
             final[0] if len(final) == 1 else nn.Sequential(*final), head, CausalLMLoss()]
+
+
+def _inputs_not_given(block: nn.Module, rotary: bool) -> list[str]:
+    """The arguments a decoder block's ``forward`` requires beside the hidden states that
+    DecoderBlock does not pass it."""
+    given = {"attention_mask", "position_ids"} | ({"position_embeddings"} if rotary else set())
+    params = list(inspect.signature(block.forward).parameters.values())[1:]
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in given
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _encoder_layers(hf_model: nn.Module, task: str, what: str) -> list[nn.Module]:
@@ -264,20 +308,27 @@ def _encoder_layers(hf_model: nn.Module, task: str, what: str) -> list[nn.Module
     embeddings, encoder = getattr(base, "embeddings", None), getattr(base, "encoder", None)
     if not isinstance(embeddings, nn.Module) or not isinstance(getattr(encoder, "layer", None), nn.ModuleList):
         raise UnsupportedModelError(f"{what}: no embeddings and encoder.layer found in {type(base).__name__}")
-    body = [embeddings, *(FirstOutput(layer) for layer in encoder.layer)]
+    project = base._modules.get("embeddings_project")      # ELECTRA's, where its embeddings are narrower
+    body = [embeddings if project is None else nn.Sequential(embeddings, project),
+            *(FirstOutput(layer) for layer in encoder.layer)]
     if task == "masked":
-        head = getattr(hf_model, "cls", None)
-        if not isinstance(head, nn.Module):
-            raise UnsupportedModelError(f"{what}: no MLM head (cls) found")
-        return [*body, head, TokenLoss()]
+        # BERT's cls, RoBERTa's lm_head, ELECTRA's generator_predictions then generator_lm_head
+        found = [m for m in (hf_model._modules.get(n) for n in ("cls", "lm_head")) if m is not None]
+        if not found and hf_model._modules.get("generator_lm_head") is not None:
+            found = [nn.Sequential(hf_model.generator_predictions, hf_model.generator_lm_head)]
+        if not found:
+            raise UnsupportedModelError(f"{what}: no MLM head (cls, lm_head or generator_lm_head) found")
+        return [*body, found[0], TokenLoss()]
     classifier, pooler = getattr(hf_model, "classifier", None), getattr(base, "pooler", None)
-    if not isinstance(classifier, nn.Module) or not isinstance(pooler, nn.Module):
-        raise UnsupportedModelError(f"{what}: the classification head needs a pooler and a classifier "
-                                    f"(BERT's layout); found pooler={type(pooler).__name__}, "
+    if not isinstance(classifier, nn.Module) or not isinstance(pooler, (nn.Module, type(None))):
+        raise UnsupportedModelError(f"{what}: the classification head needs a classifier, after a pooler or "
+                                    f"reading the first token itself; found pooler={type(pooler).__name__}, "
                                     f"classifier={type(classifier).__name__}")
-    if getattr(hf_model.config, "problem_type", None) not in (None, "single_label_classification") \
-            or hf_model.config.num_labels < 2:
+    config = hf_model.config
+    if getattr(config, "problem_type", None) not in (None, "single_label_classification") or config.num_labels < 2:
         raise UnsupportedModelError(f"{what}: only single-label classification (num_labels >= 2) is supported")
+    if pooler is None:          # RoBERTa's, ELECTRA's classifier reads the first token itself
+        return [*body, classifier, ClassificationLoss()]
     dropout = getattr(hf_model, "dropout", None) or nn.Identity()
     return [*body, pooler, nn.Sequential(dropout, classifier), ClassificationLoss()]
 
@@ -321,7 +372,9 @@ def decompose_hf(hf_model: nn.Module, *, example: tuple[torch.Tensor, torch.Tens
     if sequence_length is None:
         limit = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
                       if getattr(config, k, None)), 128)
-        sequence_length = min(int(limit), 128)
+        # RoBERTa's positions count from its padding index on: max_position_embeddings - pad - 1 tokens
+        pad = getattr(getattr(hf_model.base_model, "embeddings", None), "padding_idx", None)
+        sequence_length = min(int(limit) - (pad + 1 if isinstance(pad, int) else 0), 128)
     labels = config.num_labels if task == "classify" else None
     make = functools.partial(_token_batch, config.vocab_size, sequence_length, labels, attention_mask)
     meta = {"sequence_length": sequence_length, "optimizer": "adam", "family": config.model_type,
@@ -375,6 +428,15 @@ def load_hf_directory(path: str | Path, *, seed: int = 0, trust_remote_code: boo
     except Exception as e:
         raise UsageError(f"{where}: {'loading its weights' if weights else 'building it'}: {_first_line(e)}") from None
     model = decompose_hf(hf, name=path.resolve().name)
+    # the generic cut must compute what the model computes: checked on a short batch, dropout off
+    training = hf.training
+    hf.eval()
+    try:
+        labels = config.num_labels if _task(hf) == "classify" else None
+        _check_example(hf, list(model.layers), _token_batch(config.vocab_size, 8, labels, False, 2,
+                                                             torch.Generator().manual_seed(seed)), where)
+    finally:
+        hf.train(training)
     model.meta.update(hf_directory=str(path.resolve()), hf_weights=weights)
     return model
 
@@ -395,16 +457,28 @@ def _token_batch(vocab: int, seq: int, num_labels: int | None, masked: bool, bat
     return (torch.stack([ids, torch.ones_like(ids)], 1) if masked else ids), labels
 
 
-def _check_example(hf_model: nn.Module, layers: list[nn.Module], example) -> None:
+def _check_example(hf_model: nn.Module, layers: list[nn.Module], example, where: str | None = None) -> None:
+    """The layers' loss on ``example`` is the model's own, to within its precision's rounding."""
     x, y = example
     given = {"input_ids": x[:, 0], "attention_mask": x[:, 1]} if x.dim() == 3 else {"input_ids": x}
+    what = f"{where + ': ' if where else ''}{type(hf_model).__name__}"
     with torch.no_grad():
-        want = hf_model(**given, labels=y).loss
-        got = run_layers(layers, x, y)
-    if not torch.allclose(want, got, rtol=1e-4, atol=1e-5):
-        raise UnsupportedModelError(f"the layers of {type(hf_model).__name__} give loss {float(got):.6g} on the "
-                                    f"example but the model gives {float(want):.6g}: its forward does something "
-                                    f"the generic cut does not (is dropout off, with model.eval()?)")
+        try:
+            want = hf_model(**given, labels=y).loss
+        except Exception as e:      # the model itself fails: its config, not the cut
+            raise UsageError(f"{what}: the model's own forward fails on a batch of {tuple(x.shape)} tokens: "
+                             f"{_first_line(e)}") from None
+        try:
+            got = run_layers(layers, x, y)
+        except Exception as e:
+            raise UnsupportedModelError(f"{what}: the model runs but its layers fail: {_first_line(e)}") from None
+    dtype = next(hf_model.parameters()).dtype
+    rtol = max(1e-4, 16 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-4
+    if not torch.allclose(want.float(), got.float(), rtol=rtol, atol=1e-5):
+        raise UnsupportedModelError(f"{where + ': ' if where else ''}the layers of {type(hf_model).__name__} give "
+                                    f"loss {float(got):.6g} on the example but the model gives {float(want):.6g}: "
+                                    f"its forward does something the generic cut does not"
+                                    + ("" if where else " (is dropout off, with model.eval()?)"))
 
 
 # -- the built-in models' cuts (models.py) ----------------------------------------------------------
