@@ -45,6 +45,10 @@ USER_MODEL = textwrap.dedent('''
 
     def broken():
         raise ValueError("no weights here")
+
+    def batch_norm():
+        body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+        return LayeredModel("bn", decompose(body, nn.CrossEntropyLoss()), make_batch, {"optimizer": "sgd"})
 ''')
 
 PLAN = {"version": 1, "planner": "manual", "mode": "vPP", "gpus": 1, "batch": 6, "microbatch": {"fwd": 3, "bwd": 2},
@@ -139,6 +143,18 @@ def test_bad_model_specs_are_one_line(user_files, capsys):
                      ["profile", model, "--device", "cpu", "-o", str(tmp / "prof")]):
             one_line_error(capsys, argv + extra, fragment)
     assert not (tmp / "prof").exists()            # refused before the output folder was made
+
+
+def test_a_layer_that_fails_on_a_size_is_named_and_no_folder_is_left(user_files, capsys):
+    """BatchNorm in training cannot take one sample: the user's model fails, not the profiler. The
+    layer and the size are named in one line; the output folder made for it is not left behind."""
+    tmp, spec, _ = user_files
+    model = spec.replace(":build", ":batch_norm")
+    one_line_error(capsys, ["profile", model, "--device", "cpu", "-u", "1,2", "--no-progress", "-o", str(tmp / "prof")],
+                   "model bn: layer 1 (BatchNorm1d) fails on a microbatch of 1: ValueError: Expected more than 1 "
+                   "value per channel when training")
+    assert not (tmp / "prof").exists()
+    assert main(["profile", model, "--device", "cpu", "-u", "2,4", "--no-progress", "-o", str(tmp / "prof")]) == 0
 
 
 def test_bad_data_files_and_outputs_are_one_line(user_files, capsys):

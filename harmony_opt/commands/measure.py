@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from ..core.errors import UsageError
 from .common import MODEL_HELP, writable_file, writable_folder, written
@@ -64,10 +65,16 @@ def _profile(args):
     sizes = check_sizes(parse_microbatches(args.microbatch))
     overrides = parse_overrides(args.overrides)
     model = resolve_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code, **overrides)    # a bad --model: refused before -o is made
+    existed = Path(args.output).exists()
     out = writable_folder(args.output)
-    prof = profile_model(model, sizes, str(device), repeats=args.repeats, max_repeats=args.max_repeats,
-                         warmup=args.warmup, threads=args.threads, progress=not args.no_progress, seed=args.seed,
-                         precision=args.precision or "fp32")
+    try:
+        prof = profile_model(model, sizes, str(device), repeats=args.repeats, max_repeats=args.max_repeats,
+                             warmup=args.warmup, threads=args.threads, progress=not args.no_progress, seed=args.seed,
+                             precision=args.precision or "fp32")
+    except BaseException:
+        if not existed and not any(out.iterdir()):
+            out.rmdir()         # made for this profile, which failed: not left behind empty
+        raise
     written(prof.save, out, f"the profile to {out}")
     print(f"wrote {out}: {prof.name}, {prof.num_layers} layers, microbatch {', '.join(map(str, prof.sizes('FWD')))}"
           f" on {prof.meta['device']}, {prof.meta['threads']} intra-op thread(s)"

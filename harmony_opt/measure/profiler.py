@@ -192,6 +192,9 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
                         sizes = [s for s in sizes if s < u]
                         rows = [r for r in rows if r["microbatch"] < u]
                         break
+                    except Exception as e:
+                        _raise_if_the_models(e, model, l, layer, u, acts[u], target)
+                        raise
                     rows.extend(_rows(l, u, m))
                     if precision != "fp32":
                         static_rows[-1].setdefault("cast_bytes", m.cast_bytes)
@@ -243,6 +246,21 @@ def check_sizes(microbatches) -> list[int]:
 
 
 # -- one layer ---------------------------------------------------------------------------------
+
+def _raise_if_the_models(error: Exception, model: LayeredModel, l: int, layer: nn.Module, u: int,
+                         x: torch.Tensor, target: torch.Tensor | None) -> None:
+    """Where measuring layer ``l`` failed because the layer itself fails on this input (its own
+    forward raises as well, outside the measurement), a UsageError naming it: the model's code or
+    its sizes, not the profiler (BatchNorm on one sample, say)."""
+    try:
+        with torch.no_grad():
+            _call(layer, x.to(_device_of(layer)), None if target is None else target.to(_device_of(layer)))
+    except Exception as again:
+        first = (str(again).strip().splitlines() or [""])[0]
+        raise UsageError(f"model {model.name}: layer {l} ({type(layer).__name__}) fails on a microbatch of {u}: "
+                         f"{type(again).__name__}: {first} (profile other sizes with -u, or fix the model)"
+                         ) from error
+
 
 def _call(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     return layer(x) if target is None else layer(x, target)
