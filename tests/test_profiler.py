@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -59,11 +60,13 @@ def test_profile_values_are_consistent_with_the_model(gpt2_profile):
 
 def test_profile_times_the_stash_path_of_every_layer(gpt2_profile):
     """Every row has its stash-path time; the backward from a kept graph skips the forward a recomputing
-    backward repeats, so over the model it is well below the recomputing backward."""
+    backward repeats, so for the typical layer it is well below the recomputing backward. (The median
+    layer: this profile times each phase once, and one run in a few hundred on a shared 2-core machine
+    takes 3-5x its usual time.)"""
     _, prof = gpt2_profile
     assert prof.has_stash_times and (prof.microbatch.stash_time_s > 0).all()
     for u in (1, 2):
-        assert prof.stashed_backward(u).sum() < 0.9 * prof.costs("BWD", u).time.sum()
+        assert np.median(prof.stashed_backward(u) / prof.costs("BWD", u).time) < 0.9
 
 
 def test_saved_bytes_counts_activations_not_parameters():
