@@ -36,7 +36,7 @@ import torch
 from .compile.compiler import compile_plan
 from .compile.program import Program, plan_identity
 from .compile.validate import validate_program
-from .core.errors import DataError, PlanError, ProgramError, RuntimeMemoryError, UsageError
+from .core.errors import DataError, PlanError, ProgramError, RuntimeMemoryError, UsageError, first_line
 from .core.plan import Plan
 from .core.precision import resolve as resolve_precision
 from .core.units import alloc_granularity
@@ -387,9 +387,7 @@ def load_samples(path: str | Path, batch: int) -> SampleSlices:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        first = (str(e).splitlines() or [""])[0]
-        raise DataError(f"data file {path}: not a readable torch file of tensors ({type(e).__name__}: {first})") \
-            from None
+        raise DataError(f"data file {path}: not a readable torch file of tensors ({first_line(e)})") from None
     if not isinstance(data, dict) or not all(isinstance(data.get(k), torch.Tensor) for k in ("inputs", "targets")):
         keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise DataError(f"data file {path}: expected a dict with tensors 'inputs' and 'targets', got {keys}")

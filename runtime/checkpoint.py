@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from harmony_opt.core.errors import DataError
+from harmony_opt.core.errors import DataError, first_line
 from harmony_opt.core.io import atomic_write_bytes
 
 FORMAT = "harmony-opt-checkpoint"
@@ -55,7 +55,7 @@ def load_checkpoint(folder: str | Path, *, plan_identity: str, layers: list[nn.M
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise DataError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+        raise DataError(f"{path}: not a readable checkpoint ({first_line(e)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
         raise DataError(f"{path}: not a harmony-opt checkpoint of version {VERSION}")
     if state["plan_identity"] != plan_identity:

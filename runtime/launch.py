@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from harmony_opt.compile.program import Program, effects
-from harmony_opt.core.errors import DistributedError, HarmonyOptError, UsageError
+from harmony_opt.core.errors import DistributedError, HarmonyOptError, UsageError, first_line
 
 from .comm import Comm
 
@@ -183,7 +183,7 @@ def run_torchrun(job, env: TorchrunEnv, batches) -> list:
         dist.init_process_group(backend, rank=env.rank, world_size=env.world, timeout=timedelta(seconds=timeout))
     except Exception as e:
         raise DistributedError(f"{where}: could not join the process group at {env.master} within {timeout:g} s "
-                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                               f"({first_line(e)})") from None
     try:
         comm = TorchrunComm(env, backend, job.program, job.layers, timeout)
         comm.share_initial()

@@ -7,6 +7,12 @@ each into one line on stderr and exit code 2. Anything else escaping is a bug
 from __future__ import annotations
 
 
+def first_line(e: BaseException) -> str:
+    """``Type: first line of its message``: another library's or the user's code's error, shown in
+    one of ours."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
 class HarmonyOptError(Exception):
     """Base class of every error caused by the user's input or request."""
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .errors import ProfileError, UsageError
+from .errors import ProfileError, UsageError, first_line
 from .precision import PRECISIONS
 from .io import atomic_write_bytes, atomic_write_text, read_json
 from .units import alloc_granularity
@@ -579,7 +579,7 @@ def _read_table(folder: Path, stem: str, columns: dict, optional: dict | None = 
         try:
             df = pd.read_parquet(pq).astype(str)
         except Exception as e:  # pyarrow raises many types for corrupt files
-            raise ProfileError(f"{pq}: cannot read as Parquet ({type(e).__name__}: {e})") from None
+            raise ProfileError(f"{pq}: cannot read as Parquet ({first_line(e)})") from None
     else:
         raise ProfileError(f"{folder}: no {stem}.csv or {stem}.parquet; a profile folder needs both "
                            f"layers and microbatch tables")

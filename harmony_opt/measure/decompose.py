@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..core.errors import UsageError
+from ..core.errors import UsageError, first_line
 
 MakeBatch = Callable[[int, torch.Generator], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -118,7 +118,7 @@ def _fx_split(model: nn.Module, split_at: tuple[type, ...]) -> list[nn.Module]:
     try:
         graph = _LeafTracer(split_at).trace(model)
     except Exception as e:  # fx raises TraceError, TypeError, ... on data-dependent control flow
-        raise UsageError(f"cannot trace {type(model).__name__} with torch.fx ({type(e).__name__}: {e}); "
+        raise UsageError(f"cannot trace {type(model).__name__} with torch.fx ({first_line(e)}); "
                          f"add the untraceable module's type to split_at or pass an nn.Sequential") from None
     gm = torch.fx.GraphModule(model, graph)
     part, heads = _partition(gm, split_at)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.errors import UnsupportedModelError, UsageError
+from ..core.errors import UnsupportedModelError, UsageError, first_line
 from .decompose import ClassificationLoss, LayeredModel, run_layers
 
 #: Names the base models give the modules that run after the blocks, in the order they run.
@@ -408,7 +408,7 @@ def load_hf_directory(path: str | Path, *, seed: int = 0, trust_remote_code: boo
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
                                                          **config_overrides)
     except Exception as e:      # a broken config.json, remote code refused, an unknown model type
-        raise UsageError(f"{where}: config.json: {_first_line(e)}") from None
+        raise UsageError(f"{where}: config.json: {first_line(e)}") from None
     unknown = [k for k in config_overrides if not hasattr(config, k)]
     if unknown:
         raise UsageError(f"{where}: --set {unknown[0]}: not a field of its config ({type(config).__name__})")
@@ -426,7 +426,7 @@ def load_hf_directory(path: str | Path, *, seed: int = 0, trust_remote_code: boo
             else:
                 hf = auto.from_config(config, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise UsageError(f"{where}: {'loading its weights' if weights else 'building it'}: {_first_line(e)}") from None
+        raise UsageError(f"{where}: {'loading its weights' if weights else 'building it'}: {first_line(e)}") from None
     model = decompose_hf(hf, name=path.resolve().name)
     # the generic cut must compute what the model computes: checked on a short batch, dropout off
     training = hf.training
@@ -443,10 +443,6 @@ def load_hf_directory(path: str | Path, *, seed: int = 0, trust_remote_code: boo
 
 _AUTO = (("ForCausalLM", "AutoModelForCausalLM"), ("LMHeadModel", "AutoModelForCausalLM"),
          ("ForMaskedLM", "AutoModelForMaskedLM"), ("ForSequenceClassification", "AutoModelForSequenceClassification"))
-
-
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _token_batch(vocab: int, seq: int, num_labels: int | None, masked: bool, batch: int, gen: torch.Generator):
@@ -467,11 +463,11 @@ def _check_example(hf_model: nn.Module, layers: list[nn.Module], example, where:
             want = hf_model(**given, labels=y).loss
         except Exception as e:      # the model itself fails: its config, not the cut
             raise UsageError(f"{what}: the model's own forward fails on a batch of {tuple(x.shape)} tokens: "
-                             f"{_first_line(e)}") from None
+                             f"{first_line(e)}") from None
         try:
             got = run_layers(layers, x, y)
         except Exception as e:
-            raise UnsupportedModelError(f"{what}: the model runs but its layers fail: {_first_line(e)}") from None
+            raise UnsupportedModelError(f"{what}: the model runs but its layers fail: {first_line(e)}") from None
     dtype = next(hf_model.parameters()).dtype
     rtol = max(1e-4, 16 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-4
     if not torch.allclose(want.float(), got.float(), rtol=rtol, atol=1e-5):

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..core.errors import UsageError
+from ..core.errors import UsageError, first_line
 from .decompose import LayeredModel, decompose
 from .hf import decompose_bert, decompose_gpt2
 
@@ -370,8 +370,7 @@ def resolve_model(spec: str, *, seed: int = 0, trust_remote_code: bool = False, 
             model = fn(**overrides)
     except Exception as e:      # the user's code: its failure is the user's to read, in one line
         args = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-        first = (str(e).splitlines() or [""])[0]
-        raise UsageError(f"--model {text}: {name}({args}) raised {type(e).__name__}: {first}") from None
+        raise UsageError(f"--model {text}: {name}({args}) raised {first_line(e)}") from None
     if not isinstance(model, LayeredModel):
         raise UsageError(f"--model {text}: {name}() returned {type(model).__name__}, not a "
                          f"harmony_opt.measure.decompose.LayeredModel")
@@ -409,13 +408,11 @@ def _user_module(text: str, where: str):
             del sys.modules[mod_name]
             if not isinstance(e, Exception):
                 raise
-            first = (str(e).splitlines() or [""])[0]
-            raise UsageError(f"--model {text}: importing {where} failed: {type(e).__name__}: {first}") from None
+            raise UsageError(f"--model {text}: importing {where} failed: {first_line(e)}") from None
         return module
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as e:
         raise UsageError(f"--model {text}: no module named {e.name!r}") from None
     except Exception as e:
-        first = (str(e).splitlines() or [""])[0]
-        raise UsageError(f"--model {text}: importing {where} failed: {type(e).__name__}: {first}") from None
+        raise UsageError(f"--model {text}: importing {where} failed: {first_line(e)}") from None

@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..core.errors import InfeasibleError, UsageError
+from ..core.errors import InfeasibleError, UsageError, first_line
 from ..core.hardware import usable_cores
 from ..core.precision import autocast, check_precision, inner_view, low_dtype
 from ..core.profile import Profile
@@ -256,10 +256,8 @@ def _raise_if_the_models(error: Exception, model: LayeredModel, l: int, layer: n
         with torch.no_grad():
             _call(layer, x.to(_device_of(layer)), None if target is None else target.to(_device_of(layer)))
     except Exception as again:
-        first = (str(again).strip().splitlines() or [""])[0]
         raise UsageError(f"model {model.name}: layer {l} ({type(layer).__name__}) fails on a microbatch of {u}: "
-                         f"{type(again).__name__}: {first} (profile other sizes with -u, or fix the model)"
-                         ) from error
+                         f"{first_line(again)} (profile other sizes with -u, or fix the model)") from error
 
 
 def _call(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:

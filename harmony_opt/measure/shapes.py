@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..compile.program import LayerBytes
-from ..core.errors import DataError, UsageError
+from ..core.errors import DataError, UsageError, first_line
 from ..core.precision import autocast
 from ..core.units import alloc_bytes
 from .profiler import saved_counts
@@ -78,7 +78,7 @@ def boundary_shapes(layers: list[nn.Module], inputs: torch.Tensor, targets: torc
             try:
                 x = layer(x, targets[:1]) if l == R - 1 else layer(x)
             except Exception as e:
-                raise DataError(f"{_describe(l, layer)} fails on the data: {type(e).__name__}: {e}") from None
+                raise DataError(f"{_describe(l, layer)} fails on the data: {first_line(e)}") from None
     if not isinstance(x, torch.Tensor) or x.dim() != 0:
         raise DataError(f"the loss {_describe(R - 1, layers[-1])} returns {tuple(getattr(x, 'shape', ()))}, "
                         f"not a scalar: the last layer must return the mean loss of its microbatch")
