@@ -271,14 +271,14 @@ def _decoder_layers(hf_model: nn.Module, what: str) -> list[nn.Module]:
     config = hf_model.config
     types = getattr(config, "layer_types", None)
     rotary = container._modules.get("rotary_emb")
+    missing = _inputs_not_given(blocks[0], rotary is not None)
     # Falcon's blocks take an ``alibi`` argument, None where its config turns ALiBi off (Bloom's always use it)
-    extra = {"alibi": None} if getattr(config, "alibi", True) is False else {}
-    needs = [n for n in _inputs_not_given(blocks[0], rotary is not None) if n not in extra]
+    extra = {"alibi": None} if "alibi" in missing and getattr(config, "alibi", True) is False else {}
+    needs = [n for n in missing if n not in extra]
     if needs:       # an ALiBi bias, say, which only the base model's forward computes
         raise UnsupportedModelError(f"{what} is not supported: its blocks ({type(blocks[0]).__name__}) need "
                                     f"{', '.join(needs)} from the base model, and the cut passes a block only the "
                                     f"causal mask, the position ids and the rotary embeddings")
-    extra = {k: v for k, v in extra.items() if k in inspect.signature(blocks[0].forward).parameters}
     wrapped = []
     for i, block in enumerate(blocks):
         sliding = (types[i] == "sliding_attention") if types else getattr(config, "sliding_window", None) is not None
