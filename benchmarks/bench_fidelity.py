@@ -22,8 +22,8 @@ naive swapping. Reported per case, uncalibrated (the probed hardware) and calibr
     OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py        # writes benchmarks/results/fidelity.{csv,md,png}
     OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --rounds 1   # one run per plan: a fifth of the time
     python benchmarks/bench_fidelity.py --quick                    # one model, one cap (a smoke test)
-    OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --model benchmarks/models/llama-tiny \
-        --out benchmarks/results/fidelity_llama                      # a held-out model, the three caps
+    OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --model benchmarks/models/llama-tiny
+        # a held-out model, the three caps: writes benchmarks/results/fidelity_llama-tiny.{csv,md,png}
 
 ``--model`` takes what ``harmony-opt profile`` takes (a built-in name, a Hugging Face model folder,
 ``path/to/file.py:function``; ``--set KEY=VALUE`` its fields): the same loop on a model the
