@@ -277,8 +277,12 @@ def main(argv=None) -> int:
         ap.error("--set: give --model too (the built-in cases take their own fields)")
     models = MODELS[:1] if args.quick else MODELS
     if args.model:
-        models = ((Path(args.model.rpartition(":")[2] or args.model).name, args.model,
-                   parse_overrides(args.overrides)),)
+        try:        # a bad --model or --set: one line, before the probe and the profile
+            overrides = parse_overrides(args.overrides)
+            first = resolve_model(args.model, **overrides)
+        except HarmonyOptError as e:
+            ap.error(str(e))
+        models = ((Path(args.model.rpartition(":")[2] or args.model).name, args.model, overrides),)
     args.out = args.out or str(ROOT / "benchmarks" / "results" / ("fidelity" + (f"_{models[0][0]}" if args.model else "")))
     if args.plot_only:
         print(f"wrote {plot(pd.read_csv(Path(args.out).with_suffix('.csv')), Path(args.out).with_suffix('.png'))}")
@@ -290,7 +294,8 @@ def main(argv=None) -> int:
     rows = []
     for label, name, overrides in models:
         print(f"profiling {label} ...", flush=True)
-        profile = profile_model(resolve_model(name, **overrides), SIZES, "cpu", progress=False)
+        model = first if args.model else resolve_model(name, **overrides)
+        profile = profile_model(model, SIZES, "cpu", progress=False)
         for factor in CAP_FACTORS[:1] if args.quick else CAP_FACTORS:
             rows += run_case(label, name, overrides, factor, profile, hw, args.steps, args.rounds)
     df = pd.DataFrame(rows)
