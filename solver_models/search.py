@@ -268,7 +268,7 @@ def held_firsts(tasks: Tasks, seq: list[int], s: int) -> list[list[int]]:
 def starts_around(tasks: Tasks, seq: list[int], steps: int, seed: int = 0, around: int = 3):
     """Per criterion start within ``around`` candidate boundaries of ``seq``'s (nearest first), the
     better of two descents with that start held: from ``seq``'s packs cut below it, and from one pack
-    per candidate boundary. Yields (start, model value, sequence, work: tasks evaluated).
+    per candidate boundary. Yields (start, model value, sequence, work: tasks evaluated, descents run).
 
     The descent moves the start one step at a time and keeps no move the model rates slower, but a
     moved start pays off only once the packs around it are dealt again (gpt2_medium D=64 vPP x4
@@ -279,13 +279,13 @@ def starts_around(tasks: Tasks, seq: list[int], steps: int, seed: int = 0, aroun
         s = cuts[i]
         if i == i0:
             continue
-        best, work = (float("inf"), None), 0
+        best, work, runs = (float("inf"), None), 0, 0
         for first in held_firsts(tasks, seq, s):
             v, q, w = improve(tasks, first, steps, seed=seed, hold_start=True)
-            work += w
+            work, runs = work + w, runs + 1
             if v < best[0]:
                 best = (v, q)
-        yield s, best[0], best[1], work
+        yield s, best[0], best[1], work, runs
 
 
 def improve(tasks: Tasks, seq: list[int], steps: int, seed: int = 0, hold_start: bool = False

@@ -98,7 +98,7 @@ def test_starts_around_reaches_the_start_a_held_descent_cannot():
     v1 = evaluate(tasks, search._sequence(tasks, [1, 2, 3], [1, 2, 3], 4))
     held, seq, _ = search.improve(tasks, start, 300, seed=5, hold_start=True)
     assert packs_of(tasks, seq)[1][-1] == (5, 5) and held > v1
-    swept = {s: (v, q) for s, v, q, _ in search.starts_around(tasks, start, 300, seed=5, around=1)}
+    swept = {s: (v, q) for s, v, q, _, _ in search.starts_around(tasks, start, 300, seed=5, around=1)}
     assert set(swept) == {4}
     v, q = swept[4]
     assert packs_of(tasks, q)[1][-1] == (4, 5) and v == evaluate(tasks, q) and v <= v1

@@ -137,7 +137,8 @@ def sweep_starts(S: Search, c: Candidate, plan_: Plan, t_best: float, found: lis
     """Step 5, where the winner ``c`` is a vPP plan: its plans with the criterion pack starting
     nearby (search.starts_around), each the descent with that start held; the simulator judges those
     the model rates within ``SWEEP_WITHIN`` of ``c`` and the fastest wins. A start is taken only
-    where the budget left after the polish's reserve pays for its two descents. Not under Harmony's
+    where the budget left after the polish's reserve pays for its two descents (at most two: where
+    a start's packs cut below it are not candidates, one; each is charged as run). Not under Harmony's
     cost model, whose simulator the model does not describe. Updates ``c``."""
     if S.opts.cost_model != "default":
         return plan_, t_best
@@ -146,10 +147,10 @@ def sweep_starts(S: Search, c: Candidate, plan_: Plan, t_best: float, found: lis
     each = 2 * (Budget.PER_STEP + Budget.PER_TASK * len(c.seq)) * steps     # a start's two descents, about
     sweep = search.starts_around(c.tasks, c.seq, steps, seed=S.opts.seed, around=SWEEP_AROUND)
     while S.budget.left(reserve=reserve) > each:
-        s, value, seq, work = next(sweep, (None, None, None, None))
+        s, value, seq, work, runs = next(sweep, (None,) * 5)
         if s is None:
             break
-        S.budget.spend(2 * Budget.PER_STEP * steps + Budget.PER_TASK * work)
+        S.budget.spend(runs * Budget.PER_STEP * steps + Budget.PER_TASK * work)
         if seq is not None and value <= SWEEP_WITHIN * c.value and S.budget.left(reserve=reserve) > 0:
             cand = S.plan_of(c, seq)
             t = S.judge(cand)
