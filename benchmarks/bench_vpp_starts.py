@@ -66,7 +66,7 @@ def run_case(model: str, steps: int, around: int) -> list[dict]:
     fits, per_config = bounds.config_bound(*args, per_start=True)
     _, per_path = bounds.pipeline_path_bound(*args, per_start=True)
     _, per_gpu = bounds.pipeline_gpu_bound(*args, per_start=True)
-    per = np.maximum(np.maximum(per_config, per_path), per_gpu)
+    _, per = bounds.vpp_bound(*args, per_start=True)       # what the planner takes per start
     tasks = S.tasks(cfg, stash=stash, keep=pack_starts(p))
     seq = sequence_of_plan(tasks, p)
     chosen = p.packs_bwd[-1][0]

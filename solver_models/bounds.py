@@ -541,23 +541,24 @@ def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarr
 
 
 def vpp_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int, stash: bool,
-              stash_layers: np.ndarray | None = None, upto: float = math.inf) -> float:
+              stash_layers: np.ndarray | None = None, upto: float = math.inf, per_start: bool = False):
     """The tightest bound of a vPP configuration (0 on one GPU or in vDP): per criterion start s the
     largest of ``config_bound``'s, ``pipeline_path_bound``'s and ``pipeline_gpu_bound``'s, each
     valid for the plans of that s, then the least over s. Taken term by term, each bound's least
     lands on a start where the others are high (bert_large D=64 vPP x4 u=8/8: config_bound 3.88 s
-    at s = 21, pipeline_gpu_bound 3.85 s at s = 15; together 3.94 s; the best plan found 4.16 s)."""
+    at s = 21, pipeline_gpu_bound 3.85 s at s = 15; together 3.94 s; the best plan found 4.16 s).
+    ``per_start``: as ``config_bound``."""
     if cfg.mode != "vPP" or cfg.ranks < 2:
         return 0.0
     args = (profile, hw, batch, cfg, cap, stash, stash_layers)
     fits, per = config_bound(*args, per_start=True)
     if len(fits) == 0:
-        return math.inf
+        return (fits, per) if per_start else math.inf
     for f, v in (pipeline_path_bound(*args, upto=upto, per_start=True), pipeline_gpu_bound(*args, per_start=True)):
         if not np.array_equal(f, fits):     # both take the criterion packs that fit; a mismatch would void the max
             raise AssertionError("vpp_bound: the bounds disagree on the criterion starts")
         per = np.maximum(per, v)
-    return float(per.min())
+    return (fits, per) if per_start else float(per.min())
 
 
 #: The weight ``pipeline_gpu_bound`` gives the criterion pack's GPU beside every GPU alike (the rest
