@@ -24,6 +24,8 @@ naive swapping. Reported per case, uncalibrated (the probed hardware) and calibr
     python benchmarks/bench_fidelity.py --quick                    # one model, one cap (a smoke test)
     OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --model benchmarks/models/llama-tiny
         # a held-out model, the three caps: writes benchmarks/results/fidelity_llama-tiny.{csv,md,png}
+    OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --model benchmarks/models/cnn16.py:build
+        # a user's own CNN from a .py file: writes benchmarks/results/fidelity_cnn16.{csv,md,png}
 
 ``--model`` takes what ``harmony-opt profile`` takes (a built-in name, a Hugging Face model folder,
 ``path/to/file.py:function``; ``--set KEY=VALUE`` its fields): the same loop on a model the
@@ -253,6 +255,15 @@ def plot(df: pd.DataFrame, path: Path) -> Path:
     return atomic_write_figure(path, fig, dpi=120)
 
 
+def _label(spec: str) -> str:
+    """The name a ``--model`` spec's results go under: a folder's or a built-in's name, a file's stem
+    (``models/cnn16.py:build``: cnn16), a module's last part."""
+    if ":" not in spec or Path(spec).is_dir():
+        return Path(spec).name
+    where = spec.rpartition(":")[0]
+    return Path(where).stem if where.endswith(".py") else where.rpartition(".")[2]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one model, one cap")
@@ -282,7 +293,7 @@ def main(argv=None) -> int:
             first = resolve_model(args.model, **overrides)
         except HarmonyOptError as e:
             ap.error(str(e))
-        models = ((Path(args.model.rpartition(":")[2] or args.model).name, args.model, overrides),)
+        models = ((_label(args.model), args.model, overrides),)
     args.out = args.out or str(ROOT / "benchmarks" / "results" / ("fidelity" + (f"_{models[0][0]}" if args.model else "")))
     if args.plot_only:
         print(f"wrote {plot(pd.read_csv(Path(args.out).with_suffix('.csv')), Path(args.out).with_suffix('.png'))}")
