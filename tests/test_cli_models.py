@@ -49,6 +49,14 @@ USER_MODEL = textwrap.dedent('''
     def batch_norm():
         body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
         return LayeredModel("bn", decompose(body, nn.CrossEntropyLoss()), make_batch, {"optimizer": "sgd"})
+
+    class Last(nn.Module):
+        def forward(self, x):
+            return x[0][:, -1]
+
+    def recurrent():
+        body = nn.Sequential(nn.Unflatten(1, (2, 4)), nn.LSTM(4, 8, batch_first=True), Last(), nn.Linear(8, 4))
+        return LayeredModel("lstm", decompose(body, nn.CrossEntropyLoss()), make_batch, {"optimizer": "sgd"})
 ''')
 
 PLAN = {"version": 1, "planner": "manual", "mode": "vPP", "gpus": 1, "batch": 6, "microbatch": {"fwd": 3, "bwd": 2},
@@ -155,6 +163,16 @@ def test_a_layer_that_fails_on_a_size_is_named_and_no_folder_is_left(user_files,
                    "value per channel when training")
     assert not (tmp / "prof").exists()
     assert main(["profile", model, "--device", "cpu", "-u", "2,4", "--no-progress", "-o", str(tmp / "prof")]) == 0
+
+
+def test_a_layer_that_returns_a_tuple_is_named(user_files, capsys):
+    """nn.LSTM returns (output, (h, c)); packs hand one tensor on, so the layer is refused in one line
+    with the fix, not an internal error in the profiler, and no output folder is left."""
+    tmp, spec, _ = user_files
+    one_line_error(capsys, ["profile", spec.replace(":build", ":recurrent"), "--device", "cpu", "-u", "1,2",
+                            "--no-progress", "-o", str(tmp / "prof")],
+                   "model lstm: layer 1 (LSTM) returns a tuple, not one tensor: a layer hands one tensor to the next")
+    assert not (tmp / "prof").exists()
 
 
 def test_bad_data_files_and_outputs_are_one_line(user_files, capsys):

@@ -180,6 +180,11 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
                         kept_inputs.setdefault((signatures[-1], u), acts[u])
                     try:
                         m, out = _measure(layer, acts[u], target, dev, timing, base, precision, l > 0)
+                    except _NotOneTensor as e:
+                        what = ("the loss layer returns {}, not one tensor (the loss)" if l == R - 1 else
+                                "returns {}, not one tensor: a layer hands one tensor to the next (wrap it in a "
+                                "module that returns one, e.g. `out, _ = self.lstm(x)`)").format(e)
+                        raise UsageError(f"model {model.name}: layer {l} ({type(layer).__name__}) {what}") from None
                     except torch.cuda.OutOfMemoryError:
                         if u == sizes[0]:
                             raise InfeasibleError(
@@ -260,6 +265,10 @@ def _raise_if_the_models(error: Exception, model: LayeredModel, l: int, layer: n
                          f"{first_line(again)} (profile other sizes with -u, or fix the model)") from error
 
 
+class _NotOneTensor(Exception):
+    """A layer's forward returned something other than one tensor (what it returned, in words)."""
+
+
 def _call(layer: nn.Module, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     return layer(x) if target is None else layer(x, target)
 
@@ -286,6 +295,8 @@ def _measure(layer, x_host, target_host, dev, timing: dict, base,
     for _ in range(timing["warmup"]):
         fwd()
     out, fwd_peak = _peak(fwd, dev, base)
+    if not isinstance(out, torch.Tensor):
+        raise _NotOneTensor(f"a {type(out).__name__}")
     fwd_time = time_runs(fwd, dev, **{**timing, "warmup": 0}).seconds
     out_host, out_bytes = out.to("cpu"), tensor_bytes(out)
     grad_out = None if target is not None else torch.ones_like(out)
