@@ -338,14 +338,7 @@ def _stream(model, plan: Plan, data, start: int, steps: int | None, epochs: int,
 def _made(model, plan: Plan, start: int, steps: int, seed: int) -> Iterator[Batch]:
     """``model.make_batch`` of each step, seeded per step; one that ignores its size is refused."""
     for s in range(start, steps):
-        b = model.make_batch(plan.batch, torch.Generator().manual_seed(batch_seed(seed, s)))
-        got = [t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in b] \
-            if isinstance(b, (tuple, list)) and len(b) == 2 else None
-        if got is not None and got != [plan.batch] * 2:
-            raise DataError(f"model {model.name!r}: make_batch({plan.batch}, generator) returned {got[0]} inputs "
-                            f"and {got[1]} targets; make_batch must return exactly the number of samples it is "
-                            f"asked for")
-        yield b
+        yield model.batch(plan.batch, torch.Generator().manual_seed(batch_seed(seed, s)), DataError)
 
 
 def _place_host_state(layers: list, device: str, gpus: int) -> None:

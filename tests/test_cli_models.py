@@ -57,6 +57,15 @@ USER_MODEL = textwrap.dedent('''
     def recurrent():
         body = nn.Sequential(nn.Unflatten(1, (2, 4)), nn.LSTM(4, 8, batch_first=True), Last(), nn.Linear(8, 4))
         return LayeredModel("lstm", decompose(body, nn.CrossEntropyLoss()), make_batch, {"optimizer": "sgd"})
+
+    def seq_first():
+        body = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), Mean(), nn.Linear(8, 4))
+        return LayeredModel("seq", decompose(body, nn.CrossEntropyLoss()),
+                            lambda b, g: (torch.randn(5, b, 8, generator=g), torch.randint(4, (b,), generator=g)))
+
+    class Mean(nn.Module):
+        def forward(self, x):
+            return x.mean(0)
 ''')
 
 PLAN = {"version": 1, "planner": "manual", "mode": "vPP", "gpus": 1, "batch": 6, "microbatch": {"fwd": 3, "bwd": 2},
@@ -172,6 +181,17 @@ def test_a_layer_that_returns_a_tuple_is_named(user_files, capsys):
     one_line_error(capsys, ["profile", spec.replace(":build", ":recurrent"), "--device", "cpu", "-u", "1,2",
                             "--no-progress", "-o", str(tmp / "prof")],
                    "model lstm: layer 1 (LSTM) returns a tuple, not one tensor: a layer hands one tensor to the next")
+    assert not (tmp / "prof").exists()
+
+
+def test_a_batch_with_its_samples_off_dimension_0_is_refused_before_profiling(user_files, capsys):
+    """A sequence-first transformer's make_batch puts the samples on dimension 1; microbatches are
+    slices of dimension 0, so profiling it would time slices of the sequence. Refused up front."""
+    tmp, spec, _ = user_files
+    one_line_error(capsys, ["profile", spec.replace(":build", ":seq_first"), "--device", "cpu", "-u", "1,2",
+                            "--no-progress", "-o", str(tmp / "prof")],
+                   "make_batch(1, generator) returned 5 inputs and 1 targets; make_batch must return exactly the "
+                   "number of samples it is asked for, on dimension 0")
     assert not (tmp / "prof").exists()
 
 

@@ -109,7 +109,7 @@ def _compile(args):
             check_plan(model, plan)
         except PlanError as e:
             raise PlanError(f"{args.plan}: {e}") from None
-        x, y = model.make_batch(1, torch.Generator().manual_seed(0))
+        x, y = model.batch(1, torch.Generator().manual_seed(0))
         states = 2 if model.meta.get("optimizer", "adam") in ("adam", "adamw") else 1
         sizes = measure_layer_bytes(model.layers, x, y, optimizer_states=states,
                                     granularity=alloc_granularity(args.device), precision=plan.precision)

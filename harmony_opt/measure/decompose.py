@@ -58,6 +58,19 @@ class LayeredModel:
         from harmony_opt.runtime.tied import tied_groups
         return tied_groups(self.layers)
 
+    def batch(self, size: int, generator: torch.Generator, error: type[Exception] = UsageError):
+        """``make_batch(size, generator)``, refused (``error``) where its inputs or targets do not
+        hold ``size`` samples on dimension 0: microbatches are slices along it, so a model that puts
+        its samples elsewhere (a sequence-first transformer) would train on slices of its sequence."""
+        b = self.make_batch(size, generator)
+        got = [t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in b] \
+            if isinstance(b, (tuple, list)) and len(b) == 2 else None
+        if got is not None and got != [size] * 2:
+            raise error(f"model {self.name!r}: make_batch({size}, generator) returned {got[0]} inputs and "
+                        f"{got[1]} targets; make_batch must return exactly the number of samples it is asked "
+                        f"for, on dimension 0")
+        return b
+
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The chain's loss on one batch: the reference every executor must reproduce."""
         return run_layers(self.layers, inputs, targets)

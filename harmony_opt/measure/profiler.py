@@ -157,7 +157,7 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
     """The two tables, the layers' signatures, the sizes skipped, the [layer, size] measured twice and the
     targets' bytes per sample."""
     gen = torch.Generator().manual_seed(seed)
-    batches = {u: model.make_batch(u, gen) for u in sizes}
+    batches = {u: model.batch(u, gen) for u in sizes}
     acts = {u: x for u, (x, _) in batches.items()}
     skipped: list[str] = []
     static_rows, rows, signatures = [], [], []
