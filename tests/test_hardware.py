@@ -18,10 +18,19 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["ten", "10XB", "-5", "0"])
+@pytest.mark.parametrize("text", ["ten", "10XB", "-5", "0", "1e30", float("inf")])
 def test_parse_bytes_rejects(text):
     with pytest.raises(UsageError):
         parse_bytes(text)
+
+
+def test_a_huge_memory_cap_is_one_line(capsys):
+    """1e30 bytes overflowed the planner's 64-bit memory arithmetic: an internal error."""
+    from harmony_opt.cli import main
+    assert main(["plan", "--hardware", "1080ti-x4", "--profile", "gpt2_medium", "--batch", "8",
+                 "--memory-cap", "1e30"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--memory-cap: '1e30' is more than 8192.00 TiB" in err
 
 
 def test_file_roundtrip_and_overrides(tmp_path):
