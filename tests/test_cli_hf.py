@@ -74,6 +74,7 @@ def test_a_config_only_folder_builds_a_seeded_random_model_and_set_changes_its_c
     (lambda d: d.mkdir(), [], "no config.json in this folder"),
     (lambda d: (d.mkdir(), (d / "config.json").write_text("{not json")), [], "config.json:"),
     (lambda d: _tiny_gpt2(d, weights=False), ["--set", "no_such_field=1"], "not a field of its config"),
+    (lambda d: _tiny_gpt2(d, weights=False), ["--set", "n_layer=0"], "num_hidden_layers is 0 (config.json or --set)"),
     (lambda d: (d.mkdir(), (d / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "architectures": ["GPT2Model"]}))), [], "is not a causal LM"),
     # a config the model's own forward fails on (more key/value heads than heads): the config, not the cut

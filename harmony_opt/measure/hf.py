@@ -236,6 +236,8 @@ def _blocks(base: nn.Module, what: str) -> tuple[nn.Module, str, nn.ModuleList]:
     """The module holding the block list, the list's attribute name, and the list: the outermost
     ``nn.ModuleList`` in the base model with ``num_hidden_layers`` entries."""
     want = getattr(base.config, "num_hidden_layers", None)
+    if isinstance(want, int) and want < 1:
+        raise UsageError(f"{what}: config.num_hidden_layers is {want}; the cut needs at least one block")
     found = [(name, m) for name, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m) == want]
     if not found:
         raise UnsupportedModelError(f"{what}: no list of {want} blocks (config.num_hidden_layers) found in "
@@ -412,6 +414,9 @@ def load_hf_directory(path: str | Path, *, seed: int = 0, trust_remote_code: boo
     unknown = [k for k in config_overrides if not hasattr(config, k)]
     if unknown:
         raise UsageError(f"{where}: --set {unknown[0]}: not a field of its config ({type(config).__name__})")
+    blocks = getattr(config, "num_hidden_layers", None)
+    if isinstance(blocks, int) and blocks < 1:
+        raise UsageError(f"{where}: num_hidden_layers is {blocks} (config.json or --set); give at least 1")
     arch = next(iter(getattr(config, "architectures", None) or []), "")
     auto = next((getattr(transformers, cls) for ends, cls in _AUTO if arch.endswith(ends)), None)
     if auto is None:
