@@ -264,3 +264,16 @@ def test_a_bad_execution_term_in_a_hardware_file_is_exit_2(capsys, tmp_path, lin
                      "--hardware", str(f))
     assert rc == 2 and fragment in err and str(f) in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_minibatch_of_too_many_microbatches_is_refused_at_once(capsys):
+    """Batch 1e8 of gpt2_medium (sizes up to 9) ran for hours with no word, its simulations and program
+    check outside the search's budget: now one line, before any work."""
+    from harmony_opt.commands.planning import MAX_MICROBATCHES
+    for cmd in (["plan", "--time-limit", "1"], ["baseline", "--planner", "harmony"], ["compare"]):
+        argv = cmd + ["--profile", "gpt2_medium", "--hardware", "1080ti-x4", "--batch", str(10**8)]
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--batch 100000000: at least 11,111,112 microbatches of 9" in err, err
+    argv[-1] = str(9 * MAX_MICROBATCHES + 1)              # one sample over the limit
+    assert main(argv) == 2 and f"at least {MAX_MICROBATCHES + 1:,} microbatches" in capsys.readouterr().err

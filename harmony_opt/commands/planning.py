@@ -87,7 +87,22 @@ def _inputs(args):
         raise UsageError(f"--gpus {args.gpus}: hardware {hw.name!r} has {hw.gpus} GPU(s); give 1 to {hw.gpus}")
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
+    largest = int(min(profile.sizes("FWD").max(), profile.sizes("BWD").max()))
+    fewest = -(-args.batch // largest)
+    if fewest > MAX_MICROBATCHES:
+        raise UsageError(f"--batch {args.batch}: at least {fewest:,} microbatches of {largest} (the largest size "
+                         f"{args.profile} profiles in both phases); the simulator plays every one, and more than "
+                         f"{MAX_MICROBATCHES:,} take too long to plan: profile larger sizes (profile -u) or give a "
+                         f"smaller --batch")
     return profile, hw
+
+
+#: The most microbatches per minibatch (at the profile's largest size) plan, baseline and compare
+#: take: the Harmony hint's simulations and the check of the plan's compiled program play every
+#: microbatch, outside the search's work budget. gpt2_medium on 1080ti-x4 (sizes up to 9),
+#: --time-limit 2: 1.9 s at 114 microbatches of 9 (batch 1,024), 60 s at 911, 98 s at 1,821, over
+#: 400 s at 7,282; batch 1e8 looked like a hang.
+MAX_MICROBATCHES = 4_096
 
 
 def _packers(text: str):
