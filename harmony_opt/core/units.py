@@ -25,13 +25,12 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise UsageError(f"{what}: cannot read {text!r} as a size; write e.g. 9e9, 10GiB or 8583MB")
         value, unit = float(m.group(1)), m.group(2).lower()
-    if not 0 < value * _UNITS[unit] <= LARGEST_SIZE:
-        raise UsageError(f"{what}: {text!r} is not a positive size" if value * _UNITS[unit] <= 0 else
-                         f"{what}: {text!r} is more than {fmt_bytes(LARGEST_SIZE)}, the largest size handled")
-    nbytes = int(value * _UNITS[unit])
-    if nbytes <= 0:
+    size = value * _UNITS[unit]
+    if not size <= LARGEST_SIZE:        # inf and nan too
+        raise UsageError(f"{what}: {text!r} is more than {fmt_bytes(LARGEST_SIZE)}, the largest size handled")
+    if size < 1:
         raise UsageError(f"{what}: {text!r} is not a positive size")
-    return nbytes
+    return int(size)
 
 
 #: The largest size parse_bytes takes (8 PiB): byte counts are summed in 64-bit integers and
