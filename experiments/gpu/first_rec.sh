@@ -21,11 +21,7 @@ case $check in
 esac
 cd "$(dirname "$0")/../.."
 out=/tmp/$check; mkdir -p "$out"; k=0
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+. experiments/gpu/env.sh
 case=experiments/results/gpu/gpt2_xl_cap11GB
 trial() {   # METHOD CAP_GB NAME [python -c prelude]: one run, its median step and first-recompute excess
     local job="{\"method\": \"$1\", \"model\": \"gpt2-xl\", \"batch\": 2, \"cap\": ${2}000000000, \"warmup\": 2,

@@ -12,11 +12,7 @@ set -u
 limit=${1:-540}; shift || true
 start=$SECONDS
 cd "$(dirname "$0")/../.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+. experiments/gpu/env.sh
 log=${OUT:-/tmp}/log.txt
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
