@@ -26,12 +26,17 @@ naive swapping. Reported per case, uncalibrated (the probed hardware) and calibr
         # a held-out model, the three caps: writes benchmarks/results/fidelity_llama-tiny.{csv,md,png}
     OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py --model benchmarks/models/cnn16.py:build
         # a user's own CNN from a .py file: writes benchmarks/results/fidelity_cnn16.{csv,md,png}
+    python benchmarks/bench_fidelity.py --device cuda --rounds 3 --out benchmarks/results/fidelity_h200
+        # the same on a GPU (experiments/gpu/fidelity.sh runs it in one call of the device tool)
+    python benchmarks/bench_fidelity.py --device cuda --model gpt2-medium --set n_layer=4 --caps 1.6,3,6
+        # other caps (multiples of the largest layer's backward working set at microbatch 1)
 
 ``--model`` takes what ``harmony-opt profile`` takes (a built-in name, a Hugging Face model folder,
 ``path/to/file.py:function``; ``--set KEY=VALUE`` its fields): the same loop on a model the
 simulator and the calibration were not tuned on.
 
-Run it on a quiet machine: every figure is a wall-clock time.
+Run it on a quiet machine: every figure is a wall-clock time. The rows of the cases done are kept in
+OUT.partial.csv as they finish, so a run cut short (a device call's time limit) keeps them.
 """
 from __future__ import annotations
 
@@ -49,13 +54,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from harmony_opt.calibrate import calibrate, close_step
 from harmony_opt.core.errors import HarmonyOptError
-from harmony_opt.core.io import atomic_write_figure, write_results
+from harmony_opt.core.io import atomic_write_figure, atomic_write_text, write_results
 from harmony_opt.commands.measure import parse_overrides
 from harmony_opt.measure.models import resolve_model
 from harmony_opt.measure.probe import probe_hardware, probe_summary
 from harmony_opt.measure.profiler import profile_model
 from harmony_opt.planners.registry import get_planner
 from harmony_opt.report import machine_description, markdown_table
+from harmony_opt.runtime.optim import host_threads
 from harmony_opt.sim.simulator import simulate
 from harmony_opt.training import train
 
@@ -97,10 +103,10 @@ def kendall_tau(a: list[float], b: list[float], tied=None) -> float:
     return (conc - disc) / denom if denom else 1.0
 
 
-def measure(model, plan, steps: int, traced: int = 1) -> tuple[float, list]:
+def measure(model, plan, steps: int, traced: int = 1, device: str = "cpu") -> tuple[float, list]:
     """Median time of the untraced steps after the first (warm-up), and the measured timelines of the
     ``traced`` ones (the last and every other before it)."""
-    res = train(model, plan, steps=steps, progress=False, trace=traced)
+    res = train(model, plan, steps=steps, progress=False, trace=traced, device=device)
     return res.untraced_step_time(), res.timelines()
 
 
@@ -124,7 +130,8 @@ def make_plans(profile, hw, cap) -> dict:
     return plans
 
 
-def measured_in_rounds(model, plans: dict, steps: int, rounds: int, traced: int = 1) -> tuple[dict, dict, dict]:
+def measured_in_rounds(model, plans: dict, steps: int, rounds: int, traced: int = 1,
+                       device: str = "cpu") -> tuple[dict, dict, dict]:
     """Per plan, the median over ``rounds`` runs of its median untraced step, the traced timelines of
     every run, and the runs' medians themselves (the run-to-run noise). The runs go round the plans
     one after another (not one plan's runs back to back), so that the machine's drift over minutes
@@ -133,7 +140,7 @@ def measured_in_rounds(model, plans: dict, steps: int, rounds: int, traced: int 
     traces: dict = {name: [] for name in plans}
     for _ in range(rounds):
         for name, plan in plans.items():
-            t, tls = measure(model, plan, steps, traced)
+            t, tls = measure(model, plan, steps, traced, device)
             times[name].append(t)
             traces[name] += tls
     return {name: statistics.median(ts) for name, ts in times.items()}, traces, times
@@ -154,7 +161,7 @@ def calibration_traced(steps: int) -> int:
     return max((steps - 1) // 2, 1)
 
 
-def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -> list[dict]:
+def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds, device="cpu") -> list[dict]:
     model = resolve_model(model_name, **overrides)
     least = max(profile.costs("BWD", 1).pack_memory(i, i) for i in range(profile.num_layers))
     cap = int(least * factor)
@@ -164,16 +171,18 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds) -
             base = make_plans(profile, hw, cap).get(CALIBRATE_ON)
             if base is None:
                 break
-            t, trace, _ = measured_in_rounds(model, {CALIBRATE_ON: base}, steps, rounds, calibration_traced(steps))
+            t, trace, _ = measured_in_rounds(model, {CALIBRATE_ON: base}, steps, rounds,
+                                             calibration_traced(steps), device)
             hardware = calibrate(base, profile, hw, trace[CALIBRATE_ON], step_time=t[CALIBRATE_ON]).hardware
         plans = make_plans(profile, hardware, cap)
         if stage == "uncalibrated":
-            measured, _, runs = measured_in_rounds(model, plans, steps, rounds)
+            measured, _, runs = measured_in_rounds(model, plans, steps, rounds, device=device)
         else:
             # the plan calibrated on runs again in the same rounds as the plans judged, and the step is
             # closed on that median: the machine drifts by 5-10 % between one phase and the next, which
             # would otherwise fall on every plan alike and say nothing of the model
-            measured, _, runs = measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds)
+            measured, _, runs = measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds,
+                                                   device=device)
             again = measured.pop("calibrated on")
             hardware = close_step(base, profile, hardware, again)[0]
         for name, plan in plans.items():
@@ -210,12 +219,14 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def targets(summary: pd.DataFrame) -> str:
-    """The issue's three targets, counted over the calibrated cases."""
+def targets(summary: pd.DataFrame, within_pct: float = 10) -> str:
+    """The issue's three targets, counted over the calibrated cases (on a GPU the error's target is
+    +-15 %)."""
     c = summary[summary.stage == "calibrated"]
     n = len(c)
     return "\n".join([
-        f"- every other plan within +-10 % of its simulated time: {int((c.worst_error_pct <= 10).sum())}/{n} cases "
+        f"- every other plan within +-{within_pct:g} % of its simulated time: "
+        f"{int((c.worst_error_pct <= within_pct).sum())}/{n} cases "
         f"(worst {c.worst_error_pct.max():.1f} %)",
         f"- Kendall's tau >= 0.8: {int((c.kendall_tau >= 0.8 - 1e-9).sum())}/{n} as measured, "
         f"{int((c.kendall_tau_told_apart >= 0.8 - 1e-9).sum())}/{n} with the pairs the rounds do not tell apart as ties "
@@ -279,13 +290,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="results path without suffix (default: benchmarks/results/fidelity, with --model "
                                   "fidelity_NAME)")
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT.png from OUT.csv")
+    ap.add_argument("--caps", type=lambda v: tuple(float(x) for x in v.split(",")), default=CAP_FACTORS,
+                    metavar="F,F,...", help="memory caps as multiples of the largest layer's backward working set "
+                                          f"at microbatch 1 (default {','.join(map(str, CAP_FACTORS))})")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="profile, probe and train on this device (default cpu; cuda: the GPU's closed loop)")
     args = ap.parse_args(argv)
     if args.steps < 3:
         ap.error(f"--steps {args.steps}: give at least 3 (a warm-up step, a timed one, the traced last)")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give at least 1")
+    if not args.caps or min(args.caps) <= 1:
+        ap.error(f"--caps {args.caps}: give factors above 1 (a cap of the largest layer alone leaves no room to swap)")
     if args.overrides and not args.model:
         ap.error("--set: give --model too (the built-in cases take their own fields)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: no CUDA GPU is available here (torch {torch.__version__}); use --device cpu")
     models = MODELS[:1] if args.quick else MODELS
     if args.model:
         try:        # a bad --model or --set: one line, before the probe and the profile
@@ -294,6 +314,7 @@ def main(argv=None) -> int:
         except HarmonyOptError as e:
             ap.error(str(e))
         models = ((_label(args.model), args.model, overrides),)
+    out_given = args.out is not None
     args.out = args.out or str(ROOT / "benchmarks" / "results" / ("fidelity" + (f"_{models[0][0]}" if args.model else "")))
     if args.plot_only:
         print(f"wrote {plot(pd.read_csv(Path(args.out).with_suffix('.csv')), Path(args.out).with_suffix('.png'))}")
@@ -301,31 +322,38 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     print("probing this machine ...", flush=True)
-    hw = probe_hardware("cpu", threads=torch.get_num_threads()).with_gpus(1)
+    # on the CPU the bench's thread count (OMP_NUM_THREADS), on a GPU the executor's own for the CPU step
+    hw = probe_hardware(args.device, threads=torch.get_num_threads() if args.device == "cpu" else None).with_gpus(1)
     rows = []
     for label, name, overrides in models:
         print(f"profiling {label} ...", flush=True)
         model = first if args.model else resolve_model(name, **overrides)
-        profile = profile_model(model, SIZES, "cpu", progress=False)
-        for factor in CAP_FACTORS[:1] if args.quick else CAP_FACTORS:
-            rows += run_case(label, name, overrides, factor, profile, hw, args.steps, args.rounds)
+        profile = profile_model(model, SIZES, args.device, progress=False)
+        for factor in args.caps[:1] if args.quick else args.caps:
+            rows += run_case(label, name, overrides, factor, profile, hw, args.steps, args.rounds, args.device)
+            atomic_write_text(Path(args.out).with_suffix(".partial.csv"),       # kept if the run is cut short
+                              pd.DataFrame(rows).to_csv(index=False))
     df = pd.DataFrame(rows)
     summary = summarize(df)
     out = Path(args.out)
-    cmd = "OMP_NUM_THREADS=1 python benchmarks/bench_fidelity.py" + (" --quick" if args.quick else "") + \
-        (f" --rounds {args.rounds}" if args.rounds != 5 else "") + \
+    cmd = ("OMP_NUM_THREADS=1 " if args.device == "cpu" else "") + "python benchmarks/bench_fidelity.py" + \
+        (" --quick" if args.quick else "") + (f" --device {args.device}" if args.device != "cpu" else "") + \
+        (f" --rounds {args.rounds}" if args.rounds != 5 else "") + (f" --steps {args.steps}" if args.steps != 7 else "") + \
+        (f" --caps {','.join(map(str, args.caps))}" if args.caps != CAP_FACTORS else "") + \
         (f" --model {args.model}" + "".join(f" --set {o}" for o in args.overrides) if args.model else "") + \
-        (f" --out {Path(args.out).resolve().relative_to(ROOT)}" if args.model and
+        (f" --out {Path(args.out).resolve().relative_to(ROOT)}" if out_given and
          Path(args.out).resolve().is_relative_to(ROOT) else "")
     text = ["# Simulated against measured step time, before and after calibration\n",
             f"`{cmd}` ({time.perf_counter() - t0:.0f} s); {machine_description()}; "
-            f"{torch.get_num_threads()} intra-op thread(s); batch {BATCH}, {args.steps} steps per run "
+            + (f"{torch.cuda.get_device_name()}, torch {torch.__version__}; " if args.device == "cuda" else "") +
+            f"{host_threads(1, args.device, torch.get_num_threads())} intra-op thread(s) (the executor's); "
+            f"batch {BATCH}, {args.steps} steps per run "
             f"(the median of the untraced ones after the first), {args.rounds} runs per plan interleaved "
             f"across the plans (their median); calibrated on {CALIBRATE_ON}'s plan (the per-event fit on the "
             f"{calibration_traced(args.steps)} traced steps of each of its runs, pooled, closed on its median step "
             f"time, measured again in the rounds of the plans judged).\n",
             f"Probed: {probe_summary(hw)}.\n",
-            "## Targets, after calibration\n", targets(summary), "",
+            "## Targets, after calibration\n", targets(summary, 15 if args.device == "cuda" else 10), "",
             "## Per case\n",
             "`kendall_tau`: of the simulated against the measured order; `kendall_tau_told_apart`: the same "
             "with the pairs of plans that trade places between rounds (`runs_s` below, round by round) "
@@ -335,6 +363,7 @@ def main(argv=None) -> int:
             "## Per plan\n", markdown_table(df, floatfmt=".4f"), ""]
     write_results(out, df, "\n".join(text))
     plot(df, out.with_suffix(".png"))
+    out.with_suffix(".partial.csv").unlink(missing_ok=True)
     print(markdown_table(summary, floatfmt=".3f"))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.csv')}")
     return 0
