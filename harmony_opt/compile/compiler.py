@@ -515,8 +515,10 @@ def follow_order(drafts: list[Instr], plan: Plan, rank: int) -> tuple[list[Instr
             seq = in_order(seq, name.get, keys)
             missing = len(set(keys) - set(name.values()))
             if missing:
-                notes.append(f"transfer order, rank {rank} {stream.value}: {missing} of the {len(keys)} transfers "
-                             f"it names have no instruction of their own here; the rest follow it")
+                notes.append(f"rank {rank}: {missing} of the {len(keys)} {stream.value.replace('_', '-')}s in the plan's "
+                             f"order are not copies of their own in the program (a stashing pack's forward copies "
+                             f"its saved activations itself, and activations can go to another GPU by a send); "
+                             f"the others keep the plan's order")
         g.add_edges_from(zip(seq, seq[1:]))
     try:
         order = list(nx.lexicographical_topological_sort(g, key=lambda i: i))
