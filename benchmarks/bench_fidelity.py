@@ -336,8 +336,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     print("probing this machine ...", flush=True)
-    # on the CPU the bench's thread count (OMP_NUM_THREADS), on a GPU the executor's own for the CPU step
-    hw = probe_hardware(args.device, threads=torch.get_num_threads() if args.device == "cpu" else None).with_gpus(1)
+    hw = probe_hardware(args.device).with_gpus(1)     # at the executor's threads, as the profile and the runs
     rows = []
     for label, name, overrides in models:
         print(f"profiling {label} ...", flush=True)
