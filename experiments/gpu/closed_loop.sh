@@ -6,6 +6,10 @@
 #   experiments/gpu/closed_loop.sh DEVICE MODEL CAP_BYTES [--set KEY=VALUE ...]
 # Files in /tmp/closed_loop, packed into ${OUT:-/tmp}/closed_loop.tgz (experiments/results/gpu/closed_loop_h200.md).
 set -u
+if [ $# -lt 3 ]; then
+    echo "experiments/gpu/closed_loop.sh: error: give DEVICE (cpu or cuda), MODEL and CAP_BYTES, then any --set KEY=VALUE" >&2
+    exit 2
+fi
 DEV=$1; M=$2; CAP=$3; shift 3; SETS="$*"
 cd "$(dirname "$0")/../.."
 . experiments/gpu/env.sh
