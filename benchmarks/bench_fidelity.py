@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from harmony_opt.calibrate import busy_by_work, calibrate, close_step, idle_time
 from harmony_opt.core.errors import HarmonyOptError
-from harmony_opt.core.io import atomic_write_figure, atomic_write_text, write_results
+from harmony_opt.core.io import atomic_write_figure, atomic_write_json, atomic_write_text, write_results
 from harmony_opt.commands.measure import parse_overrides
 from harmony_opt.measure.models import resolve_model
 from harmony_opt.measure.probe import probe_hardware, probe_summary
@@ -173,7 +173,21 @@ def by_kind(measured: list, simulated) -> str:
     return ", ".join(parts + [f"idle {idle_time(measured) * 1e3:.1f} ms"])
 
 
-def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds, device="cpu") -> list[dict]:
+def keep_runs(folder: Path, stage: str, hardware, plans: dict, traces: dict, runs: dict) -> None:
+    """What a stage ran, for fitting a cost model offline: the hardware it was planned and simulated
+    with, every plan, its runs' medians and its traced steps, on a GPU with the host's issue times
+    (``harmony-opt calibrate --trace`` reads them)."""
+    hardware.save(folder / f"{stage}_hardware.json")
+    atomic_write_json(folder / f"{stage}_runs.json", runs)
+    for name, plan in plans.items():
+        slug = name.replace(" ", "").replace("--", "_")
+        plan.save(folder / f"{stage}_{slug}.json")
+        for i, tl in enumerate(traces[name]):
+            tl.to_chrome_trace(folder / f"{stage}_{slug}.{i}.trace.json")
+
+
+def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds, device="cpu",
+             keep: Path | None = None) -> list[dict]:
     model = resolve_model(model_name, **overrides)
     least = max(profile.costs("BWD", 1).pack_memory(i, i) for i in range(profile.num_layers))
     cap = int(least * factor)
@@ -183,20 +197,28 @@ def run_case(label, model_name, overrides, factor, profile, hw, steps, rounds, d
             base = make_plans(profile, hw, cap).get(CALIBRATE_ON)
             if base is None:
                 break
-            t, trace, _ = measured_in_rounds(model, {CALIBRATE_ON: base}, steps, rounds,
-                                             calibration_traced(steps), device)
+            t, trace, runs = measured_in_rounds(model, {CALIBRATE_ON: base}, steps, rounds,
+                                                calibration_traced(steps), device)
             hardware = calibrate(base, profile, hw, trace[CALIBRATE_ON], step_time=t[CALIBRATE_ON]).hardware
+            if keep:
+                keep_runs(keep, "calibration", hw, {CALIBRATE_ON: base}, trace, runs)
         plans = make_plans(profile, hardware, cap)
         if stage == "uncalibrated":
             measured, traces, runs = measured_in_rounds(model, plans, steps, rounds, device=device)
+            if keep:
+                keep_runs(keep, stage, hardware, plans, traces, runs)
         else:
             # the plan calibrated on runs again in the same rounds as the plans judged, and the step is
             # closed on that median: the machine drifts by 5-10 % between one phase and the next, which
             # would otherwise fall on every plan alike and say nothing of the model
             measured, traces, runs = measured_in_rounds(model, {"calibrated on": base, **plans}, steps, rounds,
-                                                   device=device)
+                                                        device=device)
             again = measured.pop("calibrated on")
+            if keep:
+                keep_runs(keep, stage, hardware, {"calibrated on": base, **plans}, traces, runs)
             hardware = close_step(base, profile, hardware, again)[0]
+            if keep:
+                hardware.save(keep / "closed_hardware.json")
         for name, plan in plans.items():
             simulated = simulate(plan, profile, hardware)
             sim = simulated.iteration_time
@@ -309,6 +331,8 @@ def main(argv=None) -> int:
                                           f"at microbatch 1 (default {','.join(map(str, CAP_FACTORS))})")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="profile, probe and train on this device (default cpu; cuda: the GPU's closed loop)")
+    ap.add_argument("--keep", metavar="DIR", help="also keep each case's profile, hardware, plans, run times and "
+                    "traced steps in DIR/MODEL_CAP/ (for fitting a cost model offline)")
     args = ap.parse_args(argv)
     if args.steps < 3:
         ap.error(f"--steps {args.steps}: give at least 3 (a warm-up step, a timed one, the traced last)")
@@ -343,7 +367,11 @@ def main(argv=None) -> int:
         model = first if args.model else resolve_model(name, **overrides)
         profile = profile_model(model, SIZES, args.device, progress=False)
         for factor in args.caps[:1] if args.quick else args.caps:
-            rows += run_case(label, name, overrides, factor, profile, hw, args.steps, args.rounds, args.device)
+            keep = None
+            if args.keep:
+                keep = Path(args.keep) / f"{label}_{factor:g}"
+                profile.save(keep / "profile")
+            rows += run_case(label, name, overrides, factor, profile, hw, args.steps, args.rounds, args.device, keep)
             atomic_write_text(Path(args.out).with_suffix(".partial.csv"),       # kept if the run is cut short
                               pd.DataFrame(rows).to_csv(index=False))
     df = pd.DataFrame(rows)
