@@ -62,7 +62,7 @@ COPY_BANDWIDTHS = tuple(TERMS[t][1] for t in BYTE_TERMS)
 NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s": 0.0, "d2h_latency_s": 0.0,
                  "p2p_latency_s": 0.0, "collective_latency_s": 0.0,
                  "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None,
-                 "instruction_gap_s": 0.0}
+                 "instruction_gap_s": 0.0, "host_instruction_s": 0.0}
 
 
 def neutral(hardware: Hardware) -> Hardware:
@@ -159,6 +159,39 @@ def instruction_gap(measured: Timeline | Sequence[Timeline]) -> float:
 
 
 # -- matching ---------------------------------------------------------------------------------------------
+
+def host_instruction(measured: Timeline | Sequence[Timeline], simulated: Timeline) -> float | None:
+    """The issuing thread's seconds per instruction beyond a compute instruction's kernels
+    (``Hardware.host_instruction_s``), from the measured steps' issue times (``Timeline.host``; None
+    where none were recorded: the CPU device, older traces). Per step and rank: the median issue time
+    of each kind of instruction that is not compute, summed over those instructions, plus the median
+    gap between one issue and the next for every instruction (frees and the executor's own work
+    included), over the simulated events :func:`~harmony_opt.sim.simulator.host_floor` counts on that
+    rank. Medians, so the host's rare long waits (a CPU step it must wait for) stay out: the
+    simulator times those itself. The median over steps of the mean over ranks."""
+    per_step = []
+    sim = simulated.events
+    counted = sim[sim["stream"] != "cpu"].groupby("rank").size()
+    for t in _steps(measured):
+        if not len(t.host):
+            continue
+        ev = t.events
+        compute = set(ev.loc[ev["stream"] == "compute", "task"].astype(str))
+        per_rank = []
+        for r, rows in t.host.groupby("rank"):
+            rows = rows.sort_values("start")
+            n = int(counted.get(r, 0))
+            if n == 0 or len(rows) < 2:
+                continue
+            start, end = rows["start"].to_numpy(float), rows["end"].to_numpy(float)
+            gap = float(np.median(np.clip(start[1:] - end[:-1], 0, None)))
+            other = rows[~rows["instruction"].astype(str).isin(compute)]
+            issue = (other["end"] - other["start"]).groupby(other["kind"]).transform("median").sum()
+            per_rank.append((float(issue) + len(rows) * gap) / n)
+        if per_rank:
+            per_step.append(float(np.mean(per_rank)))
+    return float(np.median(per_step)) if per_step else None
+
 
 def _pooled(steps: list[Timeline], anchors: dict) -> dict[tuple, list[float]]:
     """:func:`_groups` of several measured steps: each key's median seconds over the steps it is in."""
@@ -394,6 +427,11 @@ def fit_hardware(measured: Timeline | Sequence[Timeline], simulated: Timeline, h
         if note:
             notes.append(f"{name}: {note}")
     changes["instruction_gap_s"] = gap
+    host = host_instruction(measured, simulated)
+    if host is not None:
+        changes["host_instruction_s"] = host
+        notes.append(f"the host spends {host * 1e6:.0f} us per instruction besides the compute kernels it launches "
+                     f"(its issue times, medians): the step lasts at least its issuing thread's time")
     new = _keep_link_slots(hardware, dataclasses.replace(hardware, **changes))
     measured_busy, simulated_busy = busy_by_work(measured), busy_by_work(simulated)
     fitted: dict[str, float] = defaultdict(float)
@@ -536,7 +574,8 @@ CLOSE_TOLERANCE = 1e-3
 #: Hardware fields that time something, by how: multiplied (seconds, factors on seconds) or divided
 #: (bandwidths) by :func:`scaled`'s factor.
 TIME_FIELDS = ("compute_scale", "issue_overhead_s", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s",
-               "collective_latency_s", "cpu_optimizer_scale", "cpu_optimizer_call_s", "instruction_gap_s")
+               "collective_latency_s", "cpu_optimizer_scale", "cpu_optimizer_call_s", "instruction_gap_s",
+               "host_instruction_s")
 RATE_FIELDS = ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                "gpu_optimizer_bandwidth", "collective_bandwidth", "network_bandwidth")
 

@@ -31,6 +31,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+import pandas as pd
 import torch
 
 from .compile.compiler import compile_plan
@@ -41,7 +42,7 @@ from .core.plan import Plan
 from .core.precision import resolve as resolve_precision
 from .core.units import alloc_granularity
 from .measure.models import MODEL_NAMES
-from .sim.timeline import Timeline
+from .sim.timeline import HOST_COLUMNS, Timeline
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -71,12 +72,14 @@ class TrainResult:
     def timelines(self) -> list[Timeline]:
         """Every traced step as measured (``train(..., trace=N)``), oldest first: Timelines like the
         simulator's, one event per instruction, so the two can be compared stream by stream or drawn
-        alike."""
+        alike; on a GPU with the host's issue times (``Timeline.host``)."""
         if not any(self.traces):
             raise UsageError("no trace was recorded: train with trace=True")
         return [Timeline.from_records([r for t in self.traces for r in t[i]["events"]], self.iteration_times[step],
                                       [m for t in self.traces for m in t[i]["memory"]], ranks=len(self.traces),
-                                      meta={"source": "measured", "plan_identity": self.program.plan_identity})
+                                      meta={"source": "measured", "plan_identity": self.program.plan_identity},
+                                      host=pd.DataFrame([r for t in self.traces for r in t[i].get("issue", [])],
+                                                        columns=HOST_COLUMNS))
                 for i, step in enumerate(self.traced)]
 
     def timeline(self) -> Timeline:

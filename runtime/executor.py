@@ -139,7 +139,9 @@ class Tracer:
     stream (the device's clock, from an event recorded as the iteration starts); on the CPU, and for
     the CPU optimizer's steps, from the wall clock. Frees take no time and are left out, as are
     sends and receives on a GPU (their time is the communication library's). On the CPU, the time a
-    rank waits for another rank's message is traced on a ``wait`` stream. Memory: the live
+    rank waits for another rank's message is traced on a ``wait`` stream. On a GPU, also when the
+    thread issued each instruction (wall clock; ``issue`` rows): where the GPU waits for the host,
+    those set the step (``Hardware.host_instruction_s``). Memory: the live
     device bytes as each instruction leaves them, from its end (a free's, from the end of the
     device instruction before it: exact on the CPU, where they run in order; on a GPU, where
     streams overlap, an approximation)."""
@@ -149,6 +151,7 @@ class Tracer:
         self._wall: list[tuple[Instr, float, float]] = []     # (instruction, start, end) from the wall clock
         self._waits: list[tuple[Instr, float, float]] = []    # (receive, start, end) waited for on the CPU
         self._gpu: list[tuple[Instr, torch.cuda.Event, torch.cuda.Event]] = []
+        self._issue: list[tuple[Instr, float, float]] = []    # (instruction, start, end) of its issue on a GPU
         self.bytes: dict[int, int] = {}       # instruction id -> bytes it copied between host and device
         self._memory: list[tuple[int | None, int]] = []     # (id whose end it happens at, change in bytes)
         self._last: int | None = None
@@ -157,6 +160,7 @@ class Tracer:
     def begin(self, step: int = 0) -> None:
         self.step = step
         self._wall, self._gpu, self._waits, self.bytes, self._memory, self._last = [], [], [], {}, [], None
+        self._issue = []
         self.t0 = time.perf_counter()
         self.base = None
         if self.cuda:
@@ -187,11 +191,17 @@ class Tracer:
     def gpu(self, ins: Instr, start: "torch.cuda.Event", end: "torch.cuda.Event") -> None:
         self._gpu.append((ins, start, end))
 
+    def issue(self, ins: Instr, start: float, end: float) -> None:
+        """The host's time issuing a GPU instruction (wall clock, from the iteration's start): where
+        the GPU waits for the host rather than the host for the GPU, these set the step."""
+        self._issue.append((ins, start - self.t0, end - self.t0))
+
     def finish(self, keep: int = 1) -> None:
         """Keep the iteration's raw record (call after the device is synchronized), and at most the
         ``keep`` newest. Rows are made from it by :meth:`result`, outside the timed iteration:
         formatting them every step cost a tiny model's CPU step about 3 %."""
-        self._done.append((self.step, self._wall, self._gpu, self._waits, self.bytes, self._memory, self.base))
+        self._done.append((self.step, self._wall, self._gpu, self._waits, self.bytes, self._memory, self.base,
+                           self._issue))
         del self._done[:-keep]
 
     def results(self) -> list[dict[str, list[tuple]]]:
@@ -203,7 +213,7 @@ class Tracer:
         bytes): the last one's by default; empty before the first."""
         if not self._done:
             return {}
-        step, wall, gpu, waits, moved, memory, base = self._done[i]
+        step, wall, gpu, waits, moved, memory, base, issue = self._done[i]
         times = wall + [(ins, base.elapsed_time(a) / 1e3, base.elapsed_time(b) / 1e3) for ins, a, b in gpu]
         rows = [self.row(ins, a, b, moved) for ins, a, b in times]
         for ins, a, b in waits:
@@ -211,7 +221,8 @@ class Tracer:
             rows.append((self.rank, "wait", kind, f"wait {ins}", pack, mb, a, b, 0))
         ends = {ins.id: b for ins, _, b in times}
         steps = memory_steps(self.rank, [(ends.get(i, 0.0), change) for i, change in memory])
-        return {"step": step, "events": sorted(rows, key=lambda r: (r[6], r[7])), "memory": steps}
+        return {"step": step, "events": sorted(rows, key=lambda r: (r[6], r[7])), "memory": steps,
+                "issue": [(self.rank, str(ins), ins.kind.name.lower(), a, b) for ins, a, b in issue]}
 
 
 class Streams:
@@ -375,7 +386,9 @@ class Executor:
                     t_start, moved = time.perf_counter(), sum(self.moved.values())
                     made = handler(self, ins, e) or {}
                     self.tracer.bytes[ins.id] = sum(self.moved.values()) - moved
-                    if not self.streams.cuda and self.tracer.timed(ins) and ins.stream is not Stream.CPU:
+                    if self.streams.cuda:
+                        self.tracer.issue(ins, t_start, time.perf_counter())
+                    elif self.tracer.timed(ins) and ins.stream is not Stream.CPU:
                         self._trace_wall(ins, t_start, time.perf_counter())
                 if stream is not None:
                     for k in e.reads + e.updates:

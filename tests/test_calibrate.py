@@ -6,17 +6,19 @@ import dataclasses
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from harmony_opt import get_hardware
 from harmony_opt.calibrate import (CLOSE_TOLERANCE, _line, busy_by_work, calibrate, close_step, fit_hardware,
-                                   idle_time, instruction_gap, instruction_gaps, neutral, scaled, work_of)
+                                   host_instruction, idle_time, instruction_gap, instruction_gaps, neutral, scaled,
+                                   work_of)
 from harmony_opt.cli import main
 from harmony_opt.core.errors import UsageError
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.plan import PackOptions, Plan, forward_instructions
 from harmony_opt.sim.simulator import simulate
-from harmony_opt.sim.timeline import Timeline
+from harmony_opt.sim.timeline import HOST_COLUMNS, Timeline
 
 from conftest import synthetic_profile
 
@@ -75,6 +77,27 @@ def _serial(step: Timeline, gap: float) -> Timeline:
     return Timeline(ev, t, ranks=1, meta={"source": "measured"})
 
 
+#: the host's time issuing an instruction that is not compute, and between one issue and the next
+HOST_ISSUE, HOST_GAP = 40e-6, 60e-6
+
+
+def _with_host(step: Timeline) -> Timeline:
+    """``step`` with the host's issue times of a GPU run: per rank, its events (but the CPU steps, which
+    run on a thread beside) issued in start order, a compute instruction for as long as its kernels run
+    (launch-bound), any other for HOST_ISSUE, HOST_GAP between one and the next."""
+    ev = step.events.sort_values(["rank", "start"]).reset_index(drop=True)
+    ev["task"] = [f"{i}:{s}" for i, s in enumerate(ev.stream)]
+    rows = []
+    for r, g in ev[ev.stream != "cpu"].groupby("rank"):
+        t = 0.0
+        for name, s, k, a, b in zip(g.task, g.stream, g.kind, g.start, g.end):
+            d = b - a if s == "compute" else HOST_ISSUE
+            rows.append((int(r), name, str(k).lower(), t, t + d))
+            t += d + HOST_GAP
+    return Timeline(ev, step.iteration_time, ranks=step.ranks, meta=dict(step.meta),
+                    host=pd.DataFrame(rows, columns=HOST_COLUMNS))
+
+
 def _close(a, b):
     assert a == pytest.approx(b, rel=1e-6), (a, b)
 
@@ -113,6 +136,25 @@ def test_fit_recovers_known_terms_from_a_synthetic_step(mode, gpus, gpu_step):
     for work, secs in cal.measured.items():
         _close(cal.fitted[work], secs)
     assert not cal.unmatched and not cal.notes
+
+
+@pytest.mark.parametrize("mode,gpus", [("vPP", 1), ("vPP", 2), ("vDP", 2)])
+def test_host_time_per_instruction_is_fitted_from_the_issue_times(mode, gpus):
+    prof, plan = synthetic_profile(R=8), _plan(mode, gpus)
+    hw = dataclasses.replace(HW, host_instruction_s=1e-3)
+    sim = simulate(plan, prof, neutral(hw))
+    step = _synthetic(sim, gpus)
+    # per rank: every instruction's gap, and the issue of those that are not compute, over its events
+    counted = sim.events[sim.events.stream != "cpu"]
+    want = np.mean([(len(g) * HOST_GAP + (g.stream != "compute").sum() * HOST_ISSUE) / len(g)
+                    for _, g in counted.groupby("rank")])
+    assert host_instruction(_with_host(step), sim) == pytest.approx(want, rel=1e-9)
+    got = fit_hardware(_with_host(step), sim, hw, plan)
+    assert got.hardware.host_instruction_s == pytest.approx(want, rel=1e-9)
+    assert any("per instruction besides the compute kernels" in n for n in got.notes)
+    # a step without issue times (the CPU device, a trace of an older run) keeps the input's term
+    assert host_instruction(step, sim) is None
+    assert fit_hardware(step, sim, hw, plan).hardware.host_instruction_s == hw.host_instruction_s
 
 
 def test_one_shape_of_event_fits_the_slope_alone_and_says_so():
@@ -219,9 +261,12 @@ def test_idle_time_is_the_step_less_the_union_of_events():
 
 def test_chrome_trace_round_trips(tmp_path):
     prof, plan = synthetic_profile(R=8), _plan("vPP", 2)
-    tl = simulate(plan, prof, HW)
+    tl = _with_host(simulate(plan, prof, HW))
     tl.meta.update({"source": "measured", "plan_identity": "abc"})
     back = Timeline.from_chrome_trace(tl.to_chrome_trace(tmp_path / "t.json"))
+    # the host's issue times travel on a thread of their own, not as events
+    assert back.host["instruction"].tolist() == tl.host["instruction"].tolist()
+    assert np.allclose(back.host[["start", "end"]].to_numpy(float), tl.host[["start", "end"]].to_numpy(float))
     assert back.ranks == tl.ranks and back.iteration_time == tl.iteration_time
     assert back.meta == {"source": "measured", "plan_identity": "abc"}
     cols = ["rank", "stream", "kind", "pack", "microbatch", "bytes"]

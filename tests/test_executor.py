@@ -395,3 +395,26 @@ def test_freed_host_memory_is_kept_for_the_next_swap():
         pytest.skip("not glibc: host memory is left to the platform's allocator")
     assert int(kept) < 4096, f"{kept} page faults for three 64 MB copies into freed memory"
     assert int(faults("default")) > 3 * 8192          # the default pays them: the test can tell
+
+
+def test_the_tracer_keeps_the_hosts_issue_times_of_a_traced_step():
+    """On a GPU the executor records when its thread issued each instruction (frees too: they cost the
+    host its bookkeeping); the step's result carries them, on the step's clock, as Timeline.host rows."""
+    from harmony_opt.compile.program import Instr, Stream
+    from harmony_opt.runtime.executor import Tracer
+    from harmony_opt.sim.timeline import HOST_COLUMNS
+    tracer = Tracer(1, cuda=False)      # the bookkeeping alone: issue() is what the executor calls on a GPU
+    tracer.begin(step=3)
+    copy_in = Instr(0, Kind.SWAP_IN, (0, 1), Stream.SWAP_IN, Tensor.W)
+    free = Instr(1, Kind.FREE, (0, 1), Stream.COMPUTE, Tensor.W)
+    tracer.issue(copy_in, tracer.t0 + 0.001, tracer.t0 + 0.002)
+    tracer.issue(free, tracer.t0 + 0.0025, tracer.t0 + 0.0026)
+    tracer.finish()
+    got = tracer.result()
+    assert got["step"] == 3 and len(got["issue"]) == 2
+    assert [r[:3] for r in got["issue"]] == [(1, str(copy_in), "swap_in"), (1, str(free), "free")]
+    assert [r[3:] for r in got["issue"]] == [pytest.approx((0.001, 0.002)), pytest.approx((0.0025, 0.0026))]
+    assert len(HOST_COLUMNS) == len(got["issue"][0])
+    tracer.begin(step=4)                # the next step starts empty
+    tracer.finish(keep=2)
+    assert tracer.result()["issue"] == [] and len(tracer.results()) == 2

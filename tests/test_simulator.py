@@ -506,3 +506,29 @@ def test_only_the_stashed_layers_of_a_forward_pack_run_the_stash_path():
                 options=(PackOptions(), PackOptions(recompute=False), PackOptions()))
     ev = simulate(plan, prof, hw).events.query("kind == 'FWD'")
     assert float((ev.end - ev.start).sum()) == pytest.approx(base.fwd_time(0, 3, 2) + base.fwd_time(2, 3, 2), rel=1e-9)
+
+
+@pytest.mark.parametrize("mode,gpus", [("vPP", 1), ("vPP", 2), ("vDP", 2)])
+def test_a_launch_bound_host_sets_the_step(mode, gpus):
+    """With ``host_instruction_s`` the step lasts at least what each rank's issuing thread spends: its
+    compute events' time (it launches their kernels) and the per-instruction cost of every event it
+    issues (frees and CPU steps aside). Where that is short of the events' span, nothing changes."""
+    prof = synthetic_profile(R=8)
+    plan = Plan("test", mode, gpus, 8, 2, 2, [(0, 2), (3, 5)], [(0, 0), (1, 3), (4, 5), (6, 7)], 8)
+    hw = get_hardware("1080ti-x4").with_gpus(gpus)
+    base = simulate(plan, prof, hw)
+    ev = base.events[base.events.stream != "cpu"]
+    compute = ev[ev.stream == "compute"]
+    busy = (compute.end - compute.start).groupby(compute["rank"]).sum()
+    count = ev.groupby("rank").size()
+    per = 10 * base.iteration_time / len(ev)            # enough to outlast the events
+    slow = simulate(plan, prof, dataclasses.replace(hw, host_instruction_s=per))
+    want = max(busy.get(r, 0.0) + count[r] * per for r in count.index)
+    assert slow.iteration_time == pytest.approx(want) and slow.iteration_time > base.iteration_time
+    assert slow.meta["host_bound"] == pytest.approx(want - base.iteration_time)
+    # the events themselves play as before: the host's floor only lengthens the step
+    assert slow.events.end.max() == pytest.approx(base.iteration_time)
+    quick = simulate(plan, prof, dataclasses.replace(hw, host_instruction_s=1e-12))
+    assert quick.iteration_time == pytest.approx(base.iteration_time) and "host_bound" not in quick.meta
+    assert simulate(plan, prof, dataclasses.replace(hw, host_instruction_s=per), with_timeline=False
+                    ).iteration_time == pytest.approx(want)

@@ -66,6 +66,8 @@ class Hardware:
     collective_latency_s: float = 0.0   # fixed seconds per all-reduce call (one per backward pack and sweep)
     instruction_gap_s: float = 0.0   # of each fixed cost above, the executor's own time between instructions
                                      # that calibrate measured and added (the CPU device); not charged apart
+    host_instruction_s: float = 0.0  # the host's seconds per instruction it issues, beyond a compute
+                                     # instruction's kernels: a GPU step lasts at least the issuing thread's work
     description: str = ""
     servers: int = 1                 # identical servers; gpus must be a multiple
     network_bandwidth: float = 0.0   # between two servers, bytes/s per direction (required when servers > 1)
@@ -91,7 +93,7 @@ class Hardware:
         if not isinstance(self.copy_overlap, bool):
             raise HardwareError(f"{where}: copy_overlap must be true or false, got {self.copy_overlap!r}")
         for f in ("h2d_latency_s", "d2h_latency_s", "p2p_latency_s", "cpu_optimizer_call_s", "issue_overhead_s",
-                  "collective_latency_s", "instruction_gap_s"):
+                  "collective_latency_s", "instruction_gap_s", "host_instruction_s"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise HardwareError(f"{where}: {f} must be a finite number of seconds >= 0, got {v!r}")
@@ -233,7 +235,7 @@ class Hardware:
         for k in ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                   "cpu_optimizer_scale", "gpu_optimizer_bandwidth", "h2d_latency_s", "d2h_latency_s",
                   "p2p_latency_s", "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth",
-                  "collective_latency_s", "instruction_gap_s", "network_bandwidth"):
+                  "collective_latency_s", "instruction_gap_s", "host_instruction_s", "network_bandwidth"):
             if kw.get(k) is not None and (isinstance(kw[k], bool) or not isinstance(kw[k], (int, float))):
                 unit = "seconds" if k.endswith("_s") else "a factor" if k.endswith("scale") else "bytes/s"
                 raise HardwareError(f"{source}: field {k} must be a number ({unit}), got {kw[k]!r}")
@@ -267,7 +269,8 @@ class Hardware:
 EXECUTION_TERMS: dict = {f.name: f.default for f in dataclasses.fields(Hardware)
                          if f.name in ("copy_overlap", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s",
                                        "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s",
-                                       "collective_bandwidth", "collective_latency_s", "instruction_gap_s")}
+                                       "collective_bandwidth", "collective_latency_s", "instruction_gap_s",
+                                       "host_instruction_s")}
 
 
 PRESETS: dict[str, Hardware] = {

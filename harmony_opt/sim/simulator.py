@@ -23,6 +23,8 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
   swap-out or GPU-to-GPU send its latency plus bytes / bandwidth, a CPU step its profiled time plus
   ``cpu_optimizer_call_s``; without ``copy_overlap`` (the CPU device) a rank's compute, swap and
   P2P events run one at a time (one "engine" per rank), its CPU optimizer steps beside them;
+  with ``host_instruction_s`` (a GPU's, as ``calibrate`` fits it from the host's issue times) the
+  step lasts at least what the rank's issuing thread spends (:func:`host_floor`);
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
   starts and its working set when its first compute starts (the planners' pack memory,
   :mod:`harmony_opt.core.memory`), and frees both when its last event ends; an event that
@@ -140,6 +142,24 @@ def _gc_paused():
     finally:
         if was:
             gc.enable()
+
+
+def host_floor(events, per_instruction: float) -> float:
+    """The issuing thread's least time in the step, the largest over ranks: one thread per rank issues
+    every instruction in turn, launching each compute instruction's kernels (where they are short, as
+    a GPU's small layers' are, their time is the thread's own) and spending ``per_instruction`` on
+    each instruction it issues (copies, the step's work between them). Frees and CPU steps are left
+    out (the CPU steps run on a thread of their own); an instruction's fixed cost is counted per
+    event, as the fit (``calibrate.host_instruction``) counts it."""
+    busy: dict = defaultdict(float)
+    count: dict = defaultdict(int)
+    for e in events:
+        if e.kind == "free" or e.stream == "cpu":
+            continue
+        count[e.rank] += 1
+        if e.stream == "compute":
+            busy[e.rank] += e.duration
+    return max((busy[r] + count[r] * per_instruction for r in count), default=0.0)
 
 
 class Expansion:
@@ -647,7 +667,9 @@ class Expansion:
                 if pos[si] < qlen[si] and not wait[queues[si][pos[si]]]:
                     ready.add(si)
                     since[si] = t
-        iteration = max(e.end for e in ev)
+        iteration = played = max(e.end for e in ev)
+        if self.hw.host_instruction_s:
+            iteration = max(iteration, host_floor(ev, self.hw.host_instruction_s))
         ranks = self.plan.gpus
         steps = [memory_steps(r, mem_deltas.get(r, [])) for r in range(ranks)]
         self.reservations = [row for rows in steps for row in rows]     # (rank, time, bytes reserved)
@@ -661,6 +683,8 @@ class Expansion:
             tl = Timeline.summary(iteration, cost_model="default", ranks=ranks)
         tl.meta["reserved_memory"] = reserved
         tl.meta["events"] = len(ev)
+        if iteration > played:
+            tl.meta["host_bound"] = iteration - played      # seconds the host's issue adds to the events' span
         if self.spans:
             tl.meta["network_bytes"] = sum(e.net for e in ev)
         if not with_timeline:

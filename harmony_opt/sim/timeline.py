@@ -2,7 +2,8 @@
 
 ``events`` is a pandas table, one row per event: ``rank, stream, kind, task, pack,
 microbatch, start, end, bytes``. ``memory`` is a step function per rank: ``rank, time,
-bytes`` (GPU bytes in use from ``time`` on). Exports: Chrome/Perfetto trace JSON and a
+bytes`` (GPU bytes in use from ``time`` on). ``host`` (measured on a GPU): when the issuing thread
+issued each instruction, ``rank, instruction, kind, start, end``. Exports: Chrome/Perfetto trace JSON and a
 matplotlib Gantt chart with memory over time beneath.
 """
 from __future__ import annotations
@@ -34,6 +35,9 @@ TRACE_META = ("source", "plan_identity")
 
 _NO_EVENTS = pd.DataFrame(columns=EVENT_COLUMNS)
 _NO_MEMORY = pd.DataFrame(columns=["rank", "time", "bytes"])
+HOST_COLUMNS = ["rank", "instruction", "kind", "start", "end"]
+#: The thread a Chrome trace shows the host's issue times on (one per rank)
+HOST_THREAD = "host issue"
 
 
 @dataclasses.dataclass
@@ -45,6 +49,7 @@ class Timeline:
     cost_model: str = "default"
     ranks: int = 1
     meta: dict = dataclasses.field(default_factory=dict)
+    host: pd.DataFrame = dataclasses.field(default_factory=lambda: pd.DataFrame(columns=HOST_COLUMNS))
 
     @classmethod
     def from_records(cls, records: list[tuple], iteration_time: float, memory_records=(), **kw) -> "Timeline":
@@ -107,6 +112,14 @@ class Timeline:
                 "args": {"task": task, "kind": str(e.kind), "pack": str(e.pack), "microbatch": int(e.microbatch),
                          "bytes": int(e.bytes)},
             })
+        if len(self.host):
+            for r in range(self.ranks):
+                trace.append({"ph": "M", "name": "thread_name", "pid": r, "tid": len(tid),
+                              "args": {"name": HOST_THREAD}})
+            for h in self.host.itertuples(index=False):
+                trace.append({"ph": "X", "pid": int(h.rank), "tid": len(tid), "name": str(h.instruction),
+                              "ts": float(h.start) * 1e6, "dur": max(float(h.end - h.start), 0.0) * 1e6,
+                              "args": {"issued": str(h.instruction), "kind": str(h.kind)}})
         for m in self.memory.itertuples(index=False):
             trace.append({"ph": "C", "pid": int(m.rank), "name": "GPU memory (MiB)",
                           "ts": float(m.time) * 1e6, "args": {"MiB": float(m.bytes) / 2**20, "bytes": int(m.bytes)}})
@@ -138,11 +151,15 @@ class Timeline:
         try:
             threads = {(int(e["pid"]), int(e["tid"])): str(e["args"]["name"]) for e in items
                        if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "thread_name"}
-            records, memory = [], []
+            records, memory, host = [], [], []
             for e in items:
                 if not isinstance(e, dict) or e.get("ph") not in ("X", "C"):
                     continue
                 a, rank = e.get("args") or {}, int(e["pid"])
+                if "issued" in a:
+                    start = float(e["ts"]) / 1e6
+                    host.append((rank, str(a["issued"]), str(a["kind"]), start, start + float(e["dur"]) / 1e6))
+                    continue
                 if e["ph"] == "C":
                     mib = a.get("bytes", float(a.get("MiB", 0.0)) * 2**20)
                     memory.append((rank, float(e["ts"]) / 1e6, int(round(mib))))
@@ -162,7 +179,7 @@ class Timeline:
         ranks = int(other.get("ranks", 1 + max(r[0] for r in records)))
         meta = {k: v for k, v in other.items() if k in TRACE_META}
         return cls.from_records(records, iteration, memory, cost_model=str(other.get("cost_model", "default")),
-                                ranks=ranks, meta=meta)
+                                ranks=ranks, meta=meta, host=pd.DataFrame(host, columns=HOST_COLUMNS))
 
     def plot(self, path: str | Path, title: str = "", cap: int | None = None, xmax: float | None = None) -> Path:
         """Gantt chart per rank and stream, with GPU memory over time beneath.
