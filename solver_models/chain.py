@@ -130,7 +130,10 @@ def build(tasks: Tasks):
     chain_b = sum(gaps_b) + s(bwd_rows, c["load"]) + s(last, c["tail"] + c["upd"])
     horizon = big * (len(gaps_f) + len(gaps_b) + 1) + int(c["load"].sum()) + 1
     horizon = max(horizon, int(c["link_in"].sum()), int(c["link_out"].sum())) * 2 + 1
-    cpsat.phase_objective(m, tasks, lambda col, mask: s(np.flatnonzero(mask), col), chain_f, chain_b, horizon)
+    if tasks.host_bound:
+        horizon = max(horizon, int(c["issuing"].sum()) + 1)
+    cpsat.phase_objective(m, tasks, lambda col, mask: s(np.flatnonzero(mask), col), chain_f, chain_b, horizon,
+                          [s(list(rows), c["issuing"])])
     # [END objective]
     return m, x
 

@@ -19,7 +19,10 @@ The quantities follow the default simulator's rules (harmony_opt/sim/simulator.p
   many transfers carry them (each pays the hardware's per-transfer latency on the link);
 * ``host``: the activation buffers the task adds to host memory, all replicas together
   (harmony_opt/sim/host_memory.py): its output or gradient handed on through host memory, a backward
-  pack's stashed input or saved activations, the data for the first task.
+  pack's stashed input or saved activations, the data for the first task;
+* ``issuing``: the host thread's time issuing the task (``simulator.host_floor``): its compute
+  events' time plus ``host_instruction_s`` per event it issues (compute, transfers, sends); with that
+  term set, the step lasts at least the sum over each rank's tasks (timing.py).
 
 The hardware's execution terms (docs/cost_model.md) are charged as the simulator charges them:
 kernel times at ``compute_scale`` (from ``Profile.with_compute_scale``) plus ``issue_overhead_s`` per
@@ -118,6 +121,7 @@ class TaskTable:
     host: np.ndarray          # bytes of activation buffers in host memory (all replicas)
     h2d_n: np.ndarray         # transfers into the GPU (each pays Hardware.h2d_latency_s)
     d2h_n: np.ndarray         # transfers out of the GPU (Hardware.d2h_latency_s)
+    issuing: np.ndarray       # s: the host's issuing thread, its compute plus host_instruction_s per event
     _index: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self):
@@ -157,6 +161,7 @@ class Tasks:
     host_budget: int | None = None     # MiB of host memory left for the tasks' ``host`` (None: cannot bind)
     per_start: int = MAX_ARCS_PER_START   # candidate packs per start boundary (the longest), build_tasks'
     latency: tuple[float, float] = (0.0, 0.0)   # seconds per transfer in and out (Hardware.h2d/d2h_latency_s)
+    host_bound: bool = False           # the step lasts at least each rank's ``issuing`` (Hardware.host_instruction_s)
     _ticks: dict | None = dataclasses.field(default=None, repr=False)
 
     def ticks(self) -> dict:
@@ -187,13 +192,14 @@ class Tasks:
             d["wb"] = np.ceil(t.wb / MEM_UNIT).astype(np.int64)
             d["cap"] = int(self.cap // MEM_UNIT)
             d["host"] = np.ceil(t.host / MEM_UNIT).astype(np.int64)
+            d["issuing"] = np.round(t.issuing * TICKS_PER_S).astype(np.int64)
             # rows for timing.evaluate's single gather: times, exact memory (the cap check), mem, wb, link,
-            # phase, host, first and last layer, queued traffic out
+            # phase, host, first and last layer, queued traffic out, the host's issuing
             d["stacked"] = np.stack([d[f] for f in TIME_COLUMNS] + [np.ceil(t.mem).astype(np.int64), d["mem"], d["wb"],
                                                                     d["link_in"], d["link_out"], d["link_out_fwd"],
                                                                     d["backward"], d["host"],
                                                                     t.start.astype(np.int64), t.end.astype(np.int64),
-                                                                    d["link_out_queued"]])
+                                                                    d["link_out_queued"], d["issuing"]])
             d["cap_exact"] = int(self.cap)
             self._ticks = d
         return self._ticks
@@ -352,6 +358,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     R = profile.num_layers
     profile = profile.with_compute_scale(hw.compute_scale)
     issue, lat_in, lat_out, lat_p2p = hw.issue_overhead_s, hw.h2d_latency_s, hw.d2h_latency_s, hw.p2p_latency_s
+    per_event = hw.host_instruction_s
     serial = not hw.copy_overlap
     cuts = np.arange(R + 1) if cuts is None else np.asarray(cuts, int)
     shares = [batch] if cfg.mode == "vPP" else data_shares(batch, cfg.gpus)
@@ -398,6 +405,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     f_h2d_n = 1 + mf * ((fs == 0) | via_host)
     f_d2h_n = np.full(len(fs), mf * via_host)
     f_load = total("FWD", uf_list, lambda c: c.pack_time(fs, fe)) + mf * issue
+    # the host issues every microbatch's compute, transfer and send (to the next GPU)
+    f_issuing = f_load + per_event * (f_h2d_n + f_d2h_n + mf + mf * (not via_host))
     if serial:
         f_load = f_load + moves(f_h2d, f_d2h, f_h2d_n, f_d2h_n, np.where(via_host, 0, y_all), mf)
 
@@ -413,7 +422,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         upd=0.0,
         h2d=f_h2d, d2h=f_d2h, d2h_fwd=f_d2h,
         host=np.where(fs == 0, buffers("FWD", 0), 0) + np.where(via_host, buffers("FWD", fe + 1), 0),
-        h2d_n=f_h2d_n, d2h_n=f_d2h_n))
+        h2d_n=f_h2d_n, d2h_n=f_d2h_n, issuing=f_issuing))
 
     # ---- backward packs (variants) and the criterion pack
     rebatch = cfg.u_fwd != cfg.u_bwd
@@ -427,6 +436,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         issues = backward_instructions(recompute) * issue
         p_first, p_last = cb_first.pack_time(s, e) + issues, cb_last.pack_time(s, e) + issues
         load = total("BWD", ub_list, lambda c: c.pack_time(s, e)) + mb * issues
+        compute = load if recompute else \
+            total("BWD", ub_list, lambda c: profile.stashed_backward_time(c.u, s, e)) + mb * issues
         hop_extra = 0.0
         if not recompute:     # the backward skips the forward it would recompute ...
             def step(c):      # ... but each microbatch waits for its saved activations to come in
@@ -449,7 +460,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         ard = hw.allreduce_time(w, n) if replicas > 1 else np.zeros(len(s))
         if gpu_opt:
             step = (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth + issue
-            p_last, load = p_last + step, load + step
+            p_last, load, compute = p_last + step, load + step, compute + step
             grads = (w + k_opt) / replicas
             upd = np.zeros(len(s))
         else:
@@ -475,6 +486,11 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         h2d_n = 1 + int(gpu_opt) + mb * (1 if kind == B else ((s == 0) | via_host | rebatch)) + \
             (mb if kind == B and not pin_b and via_host else 0)
         d2h_n = 1 + (mf if kind == B else 0) + np.where((s > 0) & via_host & (not pin_b), mb, 0)
+        # the host issues each microbatch's compute, every transfer, dX sent to the next GPU, the GPU
+        # step and the all-reduce
+        events = h2d_n + d2h_n + mb + int(gpu_opt) + np.where((s > 0) & (not via_host) & (not pin_b), mb, 0) + \
+            (replicas > 1)
+        issuing = compute + per_event * events
         if serial:            # (a stashed pack's saved activations coming in are in its steps already)
             p2p_dx = (s > 0) & (not via_host) & (not pin_b)
             stepped = 0 if recompute else stash_in
@@ -494,7 +510,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
             w_load, tail = 0.0, 0.0
         return _table(kind, s, e, recompute, gpu_opt, p_first=p_first, p_last=p_last, load=load, hop_in=hop,
                       w_load=w_load, mem=mem + (k_opt if gpu_opt else 0), wb=wbb, tail=tail, upd=upd, h2d=h2d, d2h=d2h,
-                      d2h_fwd=stash_out, host=host, h2d_n=h2d_n, d2h_n=d2h_n)
+                      d2h_fwd=stash_out, host=host, h2d_n=h2d_n, d2h_n=d2h_n, issuing=issuing)
 
     stash_ok = stash and R <= MAX_LAYERS_WITH_STASH
     # packs whose every layer may stash (stashable_layers): a prefix count of those that may not
@@ -523,7 +539,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     # every replica's bytes over the links' capacity (link_capacity: every server's link together)
     return Tasks(cfg, table, R, int(cap), link_capacity(hw, n),
                  n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1,
-                 saved, cuts, host_budget(profile, hw, batch), per_start, (lat_in, lat_out))
+                 saved, cuts, host_budget(profile, hw, batch), per_start, (lat_in, lat_out), per_event > 0)
 
 
 def host_budget(profile: Profile, hw: Hardware, batch: int) -> int | None:

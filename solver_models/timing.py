@@ -37,6 +37,10 @@ j - 2 to free its memory, and its tail (its last outputs, its gradients' all-red
 can outlast task j - 1's compute (bert_96, D=16, vDP on 4 GPUs with 13 backward packs: rated 5.20 s
 without it, 5.70 s with it, simulated 5.71 s).
 
+Where the hardware charges the host's time per instruction (``Hardware.host_instruction_s``, a GPU's
+calibration), the step also lasts at least each rank's issuing thread's time, the sum of its tasks'
+``issuing`` (``issuing_floor``; the simulator's ``host_floor``).
+
 ``evaluate`` computes either exactly as the CP-SAT models do, in integer ticks (the forward queue
 and the waits for the task two back aside, which they leave out: ``pairwise=True`` computes what they
 count): it scores hints and candidates, and checks that a solver's objective is what its packs are
@@ -117,7 +121,18 @@ def evaluate_ticks(tasks: Tasks, seq: list[int], pairwise: bool = False) -> floa
     if parts is None:
         return float("inf")
     fwd_part, fwd_link, bwd_part, bwd_link = parts
-    return float(max(fwd_part, fwd_link) + max(bwd_part, bwd_link))
+    T = max(fwd_part, fwd_link) + max(bwd_part, bwd_link)
+    if tasks.host_bound:
+        T = max(T, issuing_floor(tasks, seq))
+    return float(T)
+
+
+def issuing_floor(tasks: Tasks, seq: list[int]) -> int:
+    """The step lasts at least what each rank's issuing thread spends (``simulator.host_floor``): the
+    largest over ranks of its tasks' ``issuing`` (ticks; the task at position j runs on rank j mod N)."""
+    col = tasks.ticks()["issuing"][seq]
+    n = tasks.cfg.ranks
+    return int(col.sum()) if n == 1 else int(np.bincount(np.arange(len(seq)) % n, weights=col, minlength=n).max())
 
 
 def phase_parts(tasks: Tasks, seq: list[int], pairwise: bool = False) -> tuple[int, int, int, int] | None:

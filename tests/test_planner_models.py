@@ -300,3 +300,50 @@ def test_model_counts_the_wait_for_the_memory_of_the_task_two_back():
     simulated = simulate(p, prof, hw).iteration_time
     assert evaluate(tasks, seq, pairwise=True) < 0.92 * simulated
     assert evaluate(tasks, seq) == pytest.approx(simulated, rel=0.01)
+
+
+@pytest.mark.parametrize("name,batch,mode,gpus,tol", [
+    ("gpt2_medium", 64, "vPP", 4, 0.01), ("gpt2_xl", 32, "vDP", 2, 1e-4), ("bert_large", 32, "vPP", 2, 1e-4),
+    ("bert_large", 32, "vPP", 1, 1e-4)])
+def test_model_charges_a_launch_bound_host_as_the_simulator_does(name, batch, mode, gpus, tol):
+    """With the host's time per instruction (Hardware.host_instruction_s) large enough to set the
+    step, the model's floor (each rank's tasks' issuing time) is the simulator's (host_floor): the same
+    compute and, but for a few handoffs between GPUs, the same count of events (to the models' 100 us ticks)."""
+    import dataclasses
+    prof = load_profile(name)
+    plain = get_hardware("1080ti-x4").with_gpus(gpus)
+    hw = dataclasses.replace(plain, host_instruction_s=0.05)
+    hp = plan_harmony(prof, plain, batch, 10 * 2**30, mode=mode, gpus=gpus)
+    cfg = Config(mode, gpus, hp.microbatch_fwd, hp.microbatch_bwd)
+    seq = sequence_of(build_tasks(prof, plain, batch, cfg, 10 * 2**30), hp.packs_fwd, hp.packs_bwd,
+                      [(True, False)] * len(hp.packs_bwd))
+    tasks = build_tasks(prof, hw, batch, cfg, 10 * 2**30)
+    slow = simulate(hp, prof, hw).iteration_time
+    assert slow > 1.2 * hp.simulated_iteration_time_s          # the host sets the step
+    assert evaluate(tasks, seq) == pytest.approx(slow, rel=tol)
+    # without the term nothing changes
+    assert evaluate(build_tasks(prof, plain, batch, cfg, 10 * 2**30), seq) == pytest.approx(
+        evaluate(build_tasks(prof, dataclasses.replace(plain, host_instruction_s=0.0), batch, cfg, 10 * 2**30), seq))
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_cp_sat_models_charge_the_host_floor(gpus):
+    """The chain and pipeline models' objective covers each rank's issuing time: solved to optimality,
+    it is what timing.evaluate rates its packs, host floor included, and no better than the best
+    plan the DP finds without the floor rated with it."""
+    import dataclasses
+    prof, hw, cap, cfg = instance(8, 3, 2, 2, 0.8, gpus, mode="vPP")
+    tasks = build_tasks(prof, dataclasses.replace(hw, host_instruction_s=0.02), 8, cfg, cap, stash=False)
+    starts, _ = search.starts(tasks, prof)
+    value, seq, _ = search.improve(tasks, starts[0][1], 200, seed=0)
+    from harmony_opt.solver_models.timing import issuing_floor
+    assert round(value * TICKS_PER_S) == issuing_floor(tasks, seq) > 0      # the host sets the step
+    if gpus == 1:
+        res = chain.solve(tasks, time_limit=5, hint=seq, rel_gap=0.0)
+    else:
+        nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
+        res = pipeline.solve(tasks, max_fwd=nf + 2, max_bwd=len(seq) - nf + 2, time_limit=5, hint=seq, rel_gap=0.0)
+    assert res.objective is not None and res.objective <= value + 1e-9
+    assert round(res.objective * TICKS_PER_S) >= issuing_floor(tasks, res.sequence)
+    if res.status == "OPTIMAL":
+        assert evaluate(tasks, res.sequence, pairwise=gpus == 1) == pytest.approx(res.objective, abs=1e-9)
