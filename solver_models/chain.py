@@ -132,8 +132,7 @@ def build(tasks: Tasks):
     horizon = max(horizon, int(c["link_in"].sum()), int(c["link_out"].sum())) * 2 + 1
     if tasks.host_bound:
         horizon = max(horizon, int(c["issuing"].sum()) + 1)
-    cpsat.phase_objective(m, tasks, lambda col, mask: s(np.flatnonzero(mask), col), chain_f, chain_b, horizon,
-                          [s(list(rows), c["issuing"])])
+    cpsat.phase_objective(m, tasks, lambda col, mask: s(np.flatnonzero(mask), col), chain_f, chain_b, horizon)
     # [END objective]
     return m, x
 

@@ -127,13 +127,13 @@ def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_lim
 
 
 def phase_objective(m: cp_model.CpModel, tasks: Tasks, amount: Callable, fwd, bwd, horizon: int,
-                    issuing=()) -> None:
+                    issuing=None) -> None:
     """Minimize ``T = max(fwd, link_F) + max(bwd, link_B)`` (timing.py): the forward phase (through
     the criterion pack, ``fwd``) and the backward phase (``bwd``) each take at least their own
     traffic on the shared host link; and the activation buffers fit the host memory left.
     ``amount(col, rows)``: the model's sum of ``col`` over the chosen tasks among ``rows`` (a mask
-    over the task table). ``issuing``: per rank, the sum of its tasks' issuing time, which ``T``
-    also covers where ``tasks.host_bound`` (timing.issuing_floor)."""
+    over the task table). Where ``tasks.host_bound``, ``T`` also covers each rank's issuing time
+    (timing.issuing_floor): ``issuing``, one sum per rank; None: one rank, the chosen tasks' sum."""
     d = tasks.ticks()
     backward = d["backward"].astype(bool)
     every = np.ones(len(backward), bool)
@@ -146,7 +146,7 @@ def phase_objective(m: cp_model.CpModel, tasks: Tasks, amount: Callable, fwd, bw
     m.add(T >= P + amount(d["link_in"], backward))
     m.add(T >= P + amount(d["link_out"] - d["link_out_fwd"], every))
     if tasks.host_bound:
-        for expr in issuing:
+        for expr in issuing if issuing is not None else [amount(d["issuing"], every)]:
             m.add(T >= expr)
     if tasks.host_budget is not None:       # the activation buffers fit the host memory left (timing.host_fits)
         m.add(amount(d["host"], every) <= tasks.host_budget)

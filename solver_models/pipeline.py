@@ -169,11 +169,13 @@ def build(tasks: Tasks, lay: Layout):
 
     def amount(col, rows):
         return sum(int(col[k]) * v for (j, k), v in x.items() if rows[k] and col[k])
-    issuing = d["issuing"]
-    per_rank = [sum(int(issuing[k]) * v for (j, k), v in x.items() if j % n == r and issuing[k])
-                for r in range(n)] if tasks.host_bound else []
-    cpsat.phase_objective(m, tasks, amount, e_crit, T - e_crit, 3 * max(horizon, int(issuing.sum()) + 1)
-                          if tasks.host_bound else 3 * horizon, per_rank)
+    per_rank = None
+    if tasks.host_bound:        # each GPU's issuing time: the tasks at its positions j = r mod n
+        issuing = d["issuing"]
+        per_rank = [sum(int(issuing[k]) * v for (j, k), v in x.items() if j % n == r and issuing[k])
+                    for r in range(n)]
+        horizon = max(horizon, int(issuing.sum()) + 1)
+    cpsat.phase_objective(m, tasks, amount, e_crit, T - e_crit, 3 * horizon, per_rank)
     # [END timing]
     return m, x
 

@@ -194,12 +194,12 @@ class Tasks:
             d["host"] = np.ceil(t.host / MEM_UNIT).astype(np.int64)
             d["issuing"] = np.round(t.issuing * TICKS_PER_S).astype(np.int64)
             # rows for timing.evaluate's single gather: times, exact memory (the cap check), mem, wb, link,
-            # phase, host, first and last layer, queued traffic out, the host's issuing
+            # phase, host, first and last layer, queued traffic out
             d["stacked"] = np.stack([d[f] for f in TIME_COLUMNS] + [np.ceil(t.mem).astype(np.int64), d["mem"], d["wb"],
                                                                     d["link_in"], d["link_out"], d["link_out_fwd"],
                                                                     d["backward"], d["host"],
                                                                     t.start.astype(np.int64), t.end.astype(np.int64),
-                                                                    d["link_out_queued"], d["issuing"]])
+                                                                    d["link_out_queued"]])
             d["cap_exact"] = int(self.cap)
             self._ticks = d
         return self._ticks
