@@ -54,7 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from harmony_opt.calibrate import busy_by_work, calibrate, close_step, idle_time
 from harmony_opt.core.errors import HarmonyOptError
-from harmony_opt.core.io import atomic_write_figure, atomic_write_json, atomic_write_text, write_results
+from harmony_opt.core.io import (atomic_write_figure, atomic_write_json, atomic_write_text, check_writable,
+                                 write_results)
 from harmony_opt.commands.measure import parse_overrides
 from harmony_opt.measure.models import resolve_model
 from harmony_opt.measure.probe import probe_hardware, probe_summary
@@ -342,6 +343,12 @@ def main(argv=None) -> int:
         ap.error(f"--caps {args.caps}: give factors above 1 (a cap of the largest layer alone leaves no room to swap)")
     if args.overrides and not args.model:
         ap.error("--set: give --model too (the built-in cases take their own fields)")
+    if args.keep:       # a folder that cannot be written: one line now, not a traceback after the profile
+        try:
+            Path(args.keep).mkdir(parents=True, exist_ok=True)
+            check_writable(Path(args.keep) / "hardware.json")
+        except (OSError, HarmonyOptError) as e:
+            ap.error(f"--keep {args.keep}: cannot write there ({e})")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: no CUDA GPU is available here (torch {torch.__version__}); use --device cpu")
     models = MODELS[:1] if args.quick else MODELS
