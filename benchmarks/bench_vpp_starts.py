@@ -54,14 +54,21 @@ def best_at(S: Search, tasks, seq: list[int], s: int, steps: int) -> float:
     return float(best)
 
 
-def run_case(model: str, steps: int, around: int) -> list[dict]:
+def table1_vpp(model: str):
+    """(the plan ``plan --mode vPP --gpus 4 --time-limit 10`` returns at the Table 1 settings, its
+    configuration, a Search on the same inputs, whether stash variants are searched there)."""
     profile, hw = load_profile(model), get_hardware("1080ti-x4")
     cap = int(9e9 if model in ("bert_96", "gpt2_xl") else 10 * GiB)
     opts = PlannerOptions(mode="vPP", gpus=4, time_limit=10, processes=1)
     p = plan(profile, hw, 64, opts, memory_cap=cap)
     cfg = Config("vPP", 4, p.microbatch_fwd, p.microbatch_bwd)
     S = Search(profile, hw, 64, cap, opts, Budget(1e9), lambda s: None, plan_ident(profile, hw))
-    stash = S.stash(cfg)
+    return p, cfg, S, S.stash(cfg)
+
+
+def run_case(model: str, steps: int, around: int) -> list[dict]:
+    p, cfg, S, stash = table1_vpp(model)
+    profile, hw, cap = S.profile, S.hw, S.cap
     args = (profile, hw, 64, cfg, cap, stash, None)
     fits, per_config = bounds.config_bound(*args, per_start=True)
     _, per_path = bounds.pipeline_path_bound(*args, per_start=True)

@@ -1,0 +1,84 @@
+"""The shape bounds (solver_models/vpp_exact.py) against every plan of small vPP configurations: per
+criterion start and numbers of forward and backward packs, what CP-SAT proves lies between the
+recurrence without its memory rules (what the model keeps) and the model's optimum (what it bounds)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from harmony_opt import get_hardware, load_profile
+from harmony_opt.solver_models import vpp_exact
+from harmony_opt.solver_models.tasks import B, F, Config, build_tasks, candidate_cuts
+from harmony_opt.solver_models.timing import _pipeline_time, evaluate_ticks
+
+from planner_cases import every_plan
+from test_bounds import SIZES, instance
+
+
+def _by_shape(tasks):
+    """{(s, f, b): (the model's least ticks, the least ticks of the recurrence without memory rules)}"""
+    t, d, n = tasks.table, tasks.ticks(), tasks.cfg.ranks
+    out = defaultdict(lambda: [math.inf, math.inf])
+    for seq in every_plan(tasks):
+        kinds = t.kind[seq]
+        f, b = int((kinds == F).sum()), int((kinds == B).sum())
+        s = int(t.start[seq[f]])
+        cols = d["stacked"][:, seq]
+        free, _ = _pipeline_time(*cols[:7].tolist(), cols[8].tolist(), cols[9].tolist(), 2**62, n, f)
+        got = out[s, f, b]
+        got[0] = min(got[0], evaluate_ticks(tasks, seq))
+        got[1] = min(got[1], free)
+    return out
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(3, 5), st.integers(0, 10**6), SIZES, st.integers(2, 3), st.sampled_from([5e8, 6e9, 5e10]),
+       st.floats(0.4, 3.0), st.sampled_from([0.0, 2e-4]), st.data())
+def test_every_shape_bound_lies_between_the_recurrence_and_the_model(R, seed, sizes, gpus, link, tight, host, data):
+    profile, hw, cap = instance(R, seed, sizes, sizes, gpus, link, 0.0, 8, tight)
+    hw = dataclasses.replace(hw, host_instruction_s=host)
+    u = data.draw(st.sampled_from(sizes))
+    cfg = Config("vPP", gpus, u, data.draw(st.sampled_from(sizes)))
+    tasks = build_tasks(profile, hw, 8, cfg, cap, stash=cfg.u_fwd == cfg.u_bwd)
+    for (s, f, b), (model, free) in _by_shape(tasks).items():
+        assert (f, b) in vpp_exact.shapes(tasks, s)
+        exact = vpp_exact.shape_bound(tasks, s, f, b, target=2**40)
+        assert exact.proven
+        assert free <= exact.bound <= model, (s, f, b, free, exact.bound, model)
+        assert vpp_exact.lp_bound(tasks, s, f, b) <= exact.bound
+        if math.isfinite(model):
+            # a target at or below the optimum is proven as it is; above it, the optimum is found
+            below = vpp_exact.shape_bound(tasks, s, f, b, target=int(exact.bound))
+            assert below.proven and below.bound == exact.bound
+            above = vpp_exact.shape_bound(tasks, s, f, b, target=int(model) + 1)
+            assert above.proven and above.bound == exact.bound
+
+
+def test_a_start_bound_is_the_least_over_its_shapes_and_below_its_best_plan():
+    profile, hw, cap = instance(5, 7, [1, 2, 4], [1, 2, 4], 2, 6e9, 0.0, 8, 1.0)
+    cfg = Config("vPP", 2, 2, 2)
+    tasks = build_tasks(profile, hw, 8, cfg, cap, stash=True)
+    best = defaultdict(lambda: math.inf)
+    for (s, _, _), (model, _) in _by_shape(tasks).items():
+        best[s] = min(best[s], model)
+    for s, least in best.items():
+        value, results = vpp_exact.start_bound(tasks, s, target=2**40)
+        assert value == min(r.bound for r in results) <= least
+        assert len(results) == len(vpp_exact.shapes(tasks, s))
+
+
+def test_the_shape_bounds_refuse_what_they_cannot_bound():
+    prof = load_profile("vgg416")
+    hw = get_hardware("1080ti-x4")
+    cfg = Config("vPP", 4, 16, 16)
+    coarse = build_tasks(prof, hw, 64, cfg, 10 * 2**30, cuts=candidate_cuts(prof, 16))
+    with pytest.raises(ValueError, match="every pack as a candidate"):
+        vpp_exact.check_exact(coarse)
+    profile, hw, cap = instance(4, 1, [1, 2], [1, 2], 2, 6e9, 0.0, 8, 1.0)
+    chain = build_tasks(profile, hw, 8, Config("vDP", 2, 2, 2), cap)
+    with pytest.raises(ValueError, match="vPP"):
+        vpp_exact.check_exact(chain)
