@@ -26,7 +26,9 @@ from pathlib import Path
 import pandas as pd
 
 from bench_vpp_starts import table1_vpp
-from harmony_opt.core.io import write_results
+from harmony_opt.core.bundled import load_profile
+from harmony_opt.core.errors import HarmonyOptError
+from harmony_opt.core.io import check_writable, write_results
 from harmony_opt.report import machine_description, markdown_table
 from harmony_opt.solver_models import bounds, vpp_exact
 from harmony_opt.solver_models.tasks import TICKS_PER_S
@@ -90,6 +92,20 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=float, default=5.0, help="CP-SAT's deterministic seconds per shape")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "vpp_exact"))
     a = ap.parse_args(argv)
+    if a.processes < 1 or not a.limit > 0:
+        ap.error(f"--processes {a.processes} --limit {a.limit:g}: give at least one process and a positive limit")
+    for model in a.models.split(","):       # one line now, not a traceback after a 10 s plan
+        try:
+            layers = load_profile(model).num_layers
+        except HarmonyOptError as e:
+            ap.error(f"--models: {e}")
+        if layers > vpp_exact.MAX_LAYERS:
+            ap.error(f"--models: {model} has {layers} layers; the shape bounds need every pack as a candidate, "
+                     f"so at most {vpp_exact.MAX_LAYERS}")
+    try:
+        check_writable(Path(a.out).with_suffix(".md"))
+    except HarmonyOptError as e:
+        ap.error(f"--out {a.out}: {e}")
     t0 = time.perf_counter()
     rows, summaries = [], []
     for model in a.models.split(","):
