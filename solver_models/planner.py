@@ -247,17 +247,17 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
         # first_solutions charges as it takes them
         hint_cfg = None if incumbent is None else Config.of(incumbent)
         even = set(configurations(profile, hw, batch, dataclasses.replace(opts, uneven=False)))
-        tiers = []
+        tiers, best = [], [float("inf")]        # best: the least model value found (first_solutions)
         for tier in ([c for c in configs if c in even], [c for c in configs if c not in even]):
             if tier:
-                ordered = ((c, b, computed[0]) for c, b in in_bound_order(tier, floor, bound,
-                                                                      hint_cfg if hint_cfg in tier else None))
+                ordered = ((c, b, computed[0]) for c, b in in_bound_order(
+                    tier, floor, bound, hint_cfg if hint_cfg in tier else None, prune=lambda v: v >= best[0]))
                 tiers.append((ordered, len(tier), min(floor[c] for c in tier)))
         S.say(f"{len(configs)} configurations (mode x GPUs x microbatch sizes), visited in the order of their bound"
               + (f", the {len(even & set(configs))} whose sizes divide the minibatch first" if len(tiers) > 1 else ""))
         stats = {"configurations": len(configs), "evaluated": 0, "pruned": 0, "infeasible": 0, "out_of_budget": 0}
 
-        found, open_bound = first_solutions(S, tiers, incumbent, stats)
+        found, open_bound = first_solutions(S, tiers, incumbent, stats, best)
         if not found and incumbent is None:
             raise S.infeasible()
         local_search(S, found)                                                           # 3

@@ -570,7 +570,7 @@ def test_configurations_come_in_bound_order_with_bounds_computed_lazily(R, seed,
     """in_bound_order yields the hint's configuration, then the others sorted by (bound, name), as
     sorting every bound would; the floor it queues them at is never above the bound (or the order
     would be wrong); and a search that stops at the first bound over a threshold computes fewer
-    bounds than there are configurations."""
+    bounds than there are configurations, fewer still where it says so (``prune``)."""
     prof = synthetic_profile(R=R, seed=seed, act_scale=100 if act else 1)
     hw = get_hardware("1080ti-x4")
     cap = int(prof.costs("BWD", 8).pack_memory(0, R - 1) * tight)
@@ -600,6 +600,19 @@ def test_configurations_come_in_bound_order_with_bounds_computed_lazily(R, seed,
                 break
         assert all(floor[c] <= median for c in computed)
         assert set(computed) >= {c for c in live if bound[c] < median}
+        # told where the caller stops, it yields the floor there instead of computing the bound:
+        # the same configurations before, and none bounded whose floor is at the threshold or above
+        computed.clear()
+        pruned = []
+        for c, b in in_bound_order(live, floor, lazy, prune=lambda v: v >= median):
+            pruned.append((c, b))
+            if b >= median:
+                break
+        before = sorted((c for c in live if bound[c] < median), key=lambda c: (bound[c], str(c)))
+        assert [c for c, _ in pruned[:-1]] == before
+        c_stop, b_stop = pruned[-1]
+        assert median <= b_stop <= bound[c_stop]
+        assert all(floor[c] < median for c in computed)
 
 
 def test_vpp_path_bound_ends_where_the_first_layer_takes_no_time():
