@@ -41,6 +41,11 @@ HANDOFF_PRICES = (0.0, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
 TIMELINE_REL_GAP = 5e-3
 
 
+#: The least work seconds of search the timeline model runs with (steps/order.py); with less left it is
+#: skipped, and what its reserve kept goes to the polish instead (Search.timeline_reserve).
+MIN_TIMELINE_LIMIT = 0.05
+
+
 class Budget:
     """Work seconds, counted deterministically so that the same inputs give the same plan on a busy
     or an idle machine: CP-SAT's deterministic time plus fixed costs per unit of the other work,

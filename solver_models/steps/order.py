@@ -9,7 +9,7 @@ from harmony_opt.compile.compiler import compile_plan
 from harmony_opt.core.errors import PlanError
 from harmony_opt.core.plan import Plan
 
-from ..budget import TIMELINE_REL_GAP, Budget, timeline_slowness
+from ..budget import MIN_TIMELINE_LIMIT, TIMELINE_REL_GAP, Budget, timeline_slowness
 from ..event_schedule import solve_timeline
 from ..state import Search
 
@@ -35,7 +35,7 @@ def _solve_timeline(S: Search, plan_: Plan, **kw):
     events = S.events_of(plan_)
     slow = timeline_slowness(events)
     limit = min(1.0, 0.1 * S.opts.time_limit, (S.budget.left() - Budget.PER_TIMELINE_EVENT * events) / slow)
-    if limit < 0.05:
+    if limit < MIN_TIMELINE_LIMIT:
         return None
     S.budget.spend(Budget.PER_TIMELINE_EVENT * events + limit * slow)
     limits = S.budget.cp_sat_limits(limit)

@@ -173,7 +173,8 @@ def _polish_reserve(S: Search, c: Candidate, plan_: Plan, found: list[Candidate]
     """Work seconds the polish keeps: the timeline model's share, and the vPP path bounds the report
     may need (tighten)."""
     loose = sum(1 for f in found if f.cfg.ranks > 1 and not f.pathed and f.bound < c.value)
-    return S.timeline_reserve(plan_) + Budget.PER_PATH_LAYER * S.profile.num_layers * min(loose, 4)
+    paths = Budget.PER_PATH_LAYER * S.profile.num_layers * min(loose, 4)
+    return S.timeline_reserve(plan_, besides=paths) + paths
 
 
 def polish(S: Search, c: Candidate, plan_: Plan, t_best: float, found: list[Candidate]) -> tuple[Plan, float]:
