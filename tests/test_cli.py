@@ -235,7 +235,7 @@ def test_plan_says_when_harmonys_search_took_the_budget():
 def test_plan_says_whether_it_carries_the_timeline_models_order_of_the_swaps():
     """The summary names the order the plan keeps: the timeline model's (with both simulated times),
     or Harmony's when the model's is no faster or none was found; the timeline gap is then said to be
-    the rule order's."""
+    the rule order's. Where the search left the timeline model too little budget, it says so."""
     from harmony_opt.commands.planning import solver_summary
     tl = {"status": "FEASIBLE", "objective": 3.5192, "bound": 3.4592, "gap": 0.0171, "order_bound": 3.4548,
           "order_gap": 0.0183}
@@ -252,6 +252,11 @@ def test_plan_says_whether_it_carries_the_timeline_models_order_of_the_swaps():
     none = "\n".join(solver_summary({"timeline": {**tl, "transfer_order": {**step7, "streams": 0, "kept": False}}}))
     assert none.endswith("no faster order found: the plan keeps Harmony's")
     assert "choosing the order" not in "\n".join(solver_summary({"timeline": {**tl, "transfer_order": None}}))
+    # where the search left too little of the budget for the timeline model, the summary says it did not run
+    searched = {"objective": 3.52, "model": "pipeline", "fidelity": 0.001, "bound": 3.40, "gap": 0.034, "evaluated": 3,
+                "pruned": 1, "timeline": None}
+    assert "timeline model of this plan's events: not run" in "\n".join(solver_summary(searched))
+    assert "not run" not in "\n".join(solver_summary({**searched, "timeline": tl}))
 
 
 @pytest.mark.parametrize("line,fragment", [("compute_scale = 0", "compute_scale must be a finite number > 0"),

@@ -182,6 +182,9 @@ def solver_summary(s: dict) -> list[str]:
                    f"({s['evaluated']} evaluated, {s['pruned']} pruned by their bound"
                    + (f", {s['out_of_budget']} not reached in the time limit" if s.get("out_of_budget") else "") + ")")
     t = s.get("timeline")
+    if t is None and s.get("bound") is not None and s.get("objective") is not None:
+        out.append("timeline model of this plan's events: not run, the search left it too little of the work "
+                   "budget (a longer --time-limit leaves it room)")
     if t and t.get("objective") is not None:
         from harmony_opt.solver_models.event_schedule import HINT
         source = "no schedule found in its time: the simulator's" if t["status"] == HINT else \
