@@ -156,6 +156,11 @@ def report(df: pd.DataFrame, a) -> str:
              "hspace_gain_over_published", "hspace_never_slower", "hfull_ours_s", "hfull_over_hspace",
              "hfull_never_slower"]]
     count = lambda col, limit: int((df[col].fillna(float("inf")) <= limit).sum())  # noqa: E731
+
+    def unrun(col):
+        """where the timeline model did not run (the search left it too little of the budget)"""
+        k = int(df[col].isna().sum())
+        return f" ({k} not run: the search spent the budget)" if k else ""
     return (
         f"# The CP-SAT planner against Harmony's search, one simulator\n\n"
         f"Command: `python benchmarks/bench_planner.py --time-limit {a.time_limit:g} --wall-limit {a.wall_limit:g} "
@@ -203,7 +208,8 @@ def report(df: pd.DataFrame, a) -> str:
         f"- Fidelity <= 3 %: {count('fidelity', 0.03)}/{n} (median {df.fidelity.median():.4f}, max "
         f"{df.fidelity.max():.4f}).\n"
         f"- Gap <= 2 %: chosen configuration {count('config_gap', 0.02)}/{n}; timeline model "
-        f"{count('timeline_gap', 0.02)}/{n}; every configuration searched {count('space_gap', 0.02)}/{n}.\n"
+        f"{count('timeline_gap', 0.02)}/{n}{unrun('timeline_gap')}; every configuration searched "
+        f"{count('space_gap', 0.02)}/{n}.\n"
         f"- Plans carrying the timeline model's order of the swaps: {int((df.ordered_streams > 0).sum())}/{n}"
         f"{''.join(f'; {r.model} D={r.batch} {r.mode}' for r in df[df.ordered_streams > 0].itertuples())}.\n"
         f"- Search time <= 10 s: {count('ours_search_s', 10.0)}/{n} (max {df.ours_search_s.max():.1f} s; wall / "
@@ -212,7 +218,8 @@ def report(df: pd.DataFrame, a) -> str:
         f"{df.walled_search_s.max():.1f} s (<= {a.wall_limit:g} s in {count('walled_search_s', a.wall_limit)}/{n}), "
         f"stopped by the wall clock in {int(df.walled_stopped_by_wall.sum())}/{n}, the same plan in "
         f"{int(df.walled_same_plan.sum())}/{n}; gap <= 2 %: chosen configuration "
-        f"{count('walled_config_gap', 0.02)}/{n}, timeline model {count('walled_timeline_gap', 0.02)}/{n}, every "
+        f"{count('walled_config_gap', 0.02)}/{n}, timeline model {count('walled_timeline_gap', 0.02)}/{n}"
+        f"{unrun('walled_timeline_gap')}, every "
         f"configuration searched {count('walled_space_gap', 0.02)}/{n}; fidelity <= 3 % "
         f"{count('walled_fidelity', 0.03)}/{n}; speed-up median {df.walled_speedup.median():.3f} (minimum "
         f"{df.walled_speedup.min():.3f}).\n"
