@@ -127,18 +127,21 @@ def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_lim
 
 
 def phase_objective(m: cp_model.CpModel, tasks: Tasks, amount: Callable, fwd, bwd, horizon: int,
-                    issuing=None) -> None:
+                    issuing=None, new_var=None):
     """Minimize ``T = max(fwd, link_F) + max(bwd, link_B)`` (timing.py): the forward phase (through
     the criterion pack, ``fwd``) and the backward phase (``bwd``) each take at least their own
     traffic on the shared host link; and the activation buffers fit the host memory left.
     ``amount(col, rows)``: the model's sum of ``col`` over the chosen tasks among ``rows`` (a mask
     over the task table). Where ``tasks.host_bound``, ``T`` also covers each rank's issuing time
-    (timing.issuing_floor): ``issuing``, one sum per rank; None: one rank, the chosen tasks' sum."""
+    (timing.issuing_floor): ``issuing``, one sum per rank; None: one rank, the chosen tasks' sum.
+    ``new_var(lo, hi, name)``: how ``m`` makes a variable (CP-SAT's integers by default; a
+    model_builder model's continuous ones for an LP relaxation, vpp_exact.py). Returns ``T``."""
     d = tasks.ticks()
     backward = d["backward"].astype(bool)
     every = np.ones(len(backward), bool)
-    P = m.new_int_var(0, horizon, "forward_phase")
-    T = m.new_int_var(0, horizon, "iteration")
+    new_var = new_var or m.new_int_var
+    P = new_var(0, horizon, "forward_phase")
+    T = new_var(0, horizon, "iteration")
     m.add(P >= fwd)
     m.add(P >= amount(d["link_in"], ~backward))
     m.add(P >= amount(d["link_out_fwd"], every))
@@ -151,6 +154,7 @@ def phase_objective(m: cp_model.CpModel, tasks: Tasks, amount: Callable, fwd, bw
     if tasks.host_budget is not None:       # the activation buffers fit the host memory left (timing.host_fits)
         m.add(amount(d["host"], every) <= tasks.host_budget)
     m.minimize(T)
+    return T
 
 
 def stash_memory(m: cp_model.CpModel, tasks: Tasks, chosen: dict) -> None:

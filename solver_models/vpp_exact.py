@@ -9,10 +9,11 @@ task's position and GPU is known, and the recurrence of timing.py becomes a smal
 whose LP relaxation is far tighter: CP-SAT proves it in about a second per shape on bert_large.
 
 The model here is that recurrence without the rules that couple two tasks' memory (a task waiting
-for the memory of the task N positions earlier) and with the phases' link floors as
-``T >= link_F + link_B``, ``T >= E_crit + link_B`` and ``T >= link_F + T_pipe - E_crit``, and the
-host's issuing floor where the hardware has one: every plan of the shape is at least its optimum, so the least over the shapes
-of a start bounds every plan of that start. It needs every pack among the candidates (no coarsened
+for the memory of the task N positions earlier), with the position model's objective
+(``cpsat.phase_objective``: each phase at least its traffic on the shared host link, each GPU's
+issuing time where the host binds, the activation buffers within the host's memory): every plan of
+the shape is at least its optimum, so the least over the shapes of a start bounds every plan of
+that start. It needs every pack among the candidates (no coarsened
 cuts), so it is offered for models of up to ``MAX_LAYERS`` layers.
 
 ``shape_bound`` solves one shape, ``start_bound`` every shape of a start. Both take a target: a
@@ -27,6 +28,7 @@ import numpy as np
 from ortools.linear_solver.python import model_builder as mb
 from ortools.sat.python import cp_model
 
+from . import cpsat
 from .tasks import B, C, F, TIME_COLUMNS, Tasks, min_packs
 
 #: the models whose candidate packs are every pack (tasks.candidate_cuts keeps every boundary up to 128
@@ -142,7 +144,7 @@ def shape_model(tasks: Tasks, s: int, f: int, b: int, below: int | None = None, 
     top = max(int(below) - 1, 0) if below is not None else horizon
     S = [new_int(0, top, f"S{j}") for j in range(P)]
     E = [new_int(0, top, f"E{j}") for j in range(P)]
-    T = new_int(0, top, "T")
+    end = new_int(0, top, "T_pipe")
     for j in range(P):
         hop, wl, load = col(j, "hop_in"), col(j, "w_load"), col(j, "load")
         if j == 0:
@@ -157,29 +159,19 @@ def shape_model(tasks: Tasks, s: int, f: int, b: int, below: int | None = None, 
         m.add(E[j] >= S[j] + load)
         if j:
             m.add(E[j] >= E[j - 1] + hop + col(j, "p_last"))
-        m.add(T >= E[j] + col(j, "tail") + col(j, "upd"))
-    # the phases' traffic on the shared link (timing.phase_parts: T = max(E_crit, link_F) + max(T_pipe - E_crit,
-    # link_B), each link term the larger of two sums), and the host's issuing floor
-    def total(c, where=None):
-        idx = np.arange(len(rows)) if where is None else where
-        return weighted([x[i] for i in idx], d[c][rows[idx]].tolist())
-    fwd, bwd = np.flatnonzero(pos <= f), np.flatnonzero(pos > f)
-    link_f = [total("link_in", fwd), total("link_out_fwd")]
-    out_b = weighted(x, (d["link_out"] - d["link_out_fwd"])[rows].tolist())
-    link_b = [total("link_in", bwd), out_b]
-    for lb in link_b:
-        m.add(T >= E[f] + lb)
-        for lf in link_f:
-            m.add(T >= lf + lb)
-    for lf in link_f:
-        for j in range(f + 1, P):
-            m.add(T >= lf + E[j] + col(j, "tail") + col(j, "upd") - E[f])
-    if tasks.host_bound:
-        issuing = d["issuing"][rows]
-        for g in range(n):
-            on = np.flatnonzero(pos % n == g)
-            m.add(T >= weighted([x[i] for i in on], issuing[on].tolist()))
-    m.minimize(T)
+        m.add(end >= E[j] + col(j, "tail") + col(j, "upd"))
+
+    def amount(c, mask):
+        """the chosen tasks' sum of column ``c`` over the table rows in ``mask``"""
+        idx = np.flatnonzero(mask[rows] & (c[rows] != 0))
+        return weighted([x[i] for i in idx], c[rows[idx]].tolist()) if len(idx) else 0
+    # the phases on the shared link, the host's issuing time per GPU and its memory, as the position model
+    issuing = None
+    if tasks.host_bound:        # the tasks at each GPU's positions j = g mod n
+        cost = d["issuing"][rows]
+        issuing = [weighted([x[i] for i in on], cost[on].tolist())
+                   for on in (np.flatnonzero((pos % n == g) & (cost != 0)) for g in range(n))]
+    T = cpsat.phase_objective(m, tasks, amount, E[f], end - E[f], top, issuing, new_var=new_int)
     return m, T
 
 
@@ -207,15 +199,22 @@ def shape_bound(tasks: Tasks, s: int, f: int, b: int, target: int, deterministic
     return ShapeResult(f, b, max(float(solver.best_objective_bound), lp), False, det)
 
 
+#: GLOP's settings, tried in turn while it stops without an answer (ABNORMAL: the simplex lost its way
+#: on some orders and scalings of the rows; gpt2_medium D=64 vPP x4 u=4/8, s = 25, (f, b) = (12, 14)
+#: with the host-memory row: ABNORMAL by either simplex, 10.5364 s without the presolve)
+LP_SETTINGS = ("", "use_dual_simplex: true", "use_preprocessing: false", "use_scaling: false")
+
+
 def lp_bound(tasks: Tasks, s: int, f: int, b: int) -> float:
     """The LP relaxation of the shape's model (ticks, rounded up as the plans' times are whole ticks,
     after half a tick off for GLOP's tolerances); inf where the shape has no plan."""
     m, _ = shape_model(tasks, s, f, b, relax=True)
-    solver = mb.Solver("GLOP")
-    status = solver.solve(m)
-    if status == mb.SolveStatus.ABNORMAL:     # the primal simplex lost its way on some orders of the rows
-        solver.set_solver_specific_parameters("use_dual_simplex: true")
+    for settings in LP_SETTINGS:
+        solver = mb.Solver("GLOP")
+        solver.set_solver_specific_parameters(settings)
         status = solver.solve(m)
+        if status != mb.SolveStatus.ABNORMAL:
+            break
     if status == mb.SolveStatus.INFEASIBLE:
         return math.inf
     if status != mb.SolveStatus.OPTIMAL:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from harmony_opt import get_hardware, load_profile
 from harmony_opt.solver_models import vpp_exact
-from harmony_opt.solver_models.tasks import B, F, Config, build_tasks, candidate_cuts
+from harmony_opt.solver_models.tasks import B, F, TICKS_PER_S, Config, build_tasks, candidate_cuts
 from harmony_opt.solver_models.timing import _pipeline_time, evaluate_ticks
 
 from planner_cases import every_plan
@@ -69,6 +69,53 @@ def test_a_start_bound_is_the_least_over_its_shapes_and_below_its_best_plan():
         value, results = vpp_exact.start_bound(tasks, s, target=2**40)
         assert value == min(r.bound for r in results) <= least
         assert len(results) == len(vpp_exact.shapes(tasks, s))
+
+
+def test_a_shape_whose_every_plan_overflows_the_hosts_memory_needs_the_target():
+    """The shape model holds the activation buffers within the host's memory left (the position
+    model's objective, cpsat.phase_objective): with a budget between the shapes' least needs, a shape
+    none of whose plans fits is proven to need the target, and the others stay below their best plan
+    that fits."""
+    profile, hw, cap = instance(5, 7, [1, 2, 4], [1, 2, 4], 2, 6e9, 0.0, 8, 1.0)
+    tasks = build_tasks(profile, hw, 8, Config("vPP", 2, 2, 2), cap, stash=True)
+    host = tasks.ticks()["host"]
+    need = defaultdict(lambda: math.inf)
+    t = tasks.table
+    for seq in every_plan(tasks):
+        f, b = int((t.kind[seq] == F).sum()), int((t.kind[seq] == B).sum())
+        key = (int(t.start[seq[f]]), f, b)
+        need[key] = min(need[key], int(host[seq].sum()))
+    levels = sorted(set(need.values()))
+    assert len(levels) > 1
+    tight = dataclasses.replace(tasks, host_budget=levels[len(levels) // 2] - 1)
+    best = _by_shape(tight)
+    target = 2**40
+    for key, least in need.items():
+        got = vpp_exact.shape_bound(tight, *key, target=target)
+        if least > tight.host_budget:
+            assert got.proven and got.bound == target, key
+        else:
+            assert got.bound <= best[key][0], key
+
+
+def test_the_lp_relaxation_answers_where_glops_default_settings_stop():
+    """GLOP stops ABNORMAL on this shape of a Table 1 case by either simplex; lp_bound then read 0,
+    and the shape's bound fell to CP-SAT's (bench_vpp_exact's gpt2_medium proved nothing beyond the
+    cheap bound). It tries other settings (LP_SETTINGS) and answers at the cheap bound or above."""
+    from harmony_opt.core.bundled import plan_ident
+    from harmony_opt.solver_models import bounds
+    from harmony_opt.solver_models.budget import Budget
+    from harmony_opt.solver_models.options import PlannerOptions
+    from harmony_opt.solver_models.state import Search
+    profile, hw = load_profile("gpt2_medium"), get_hardware("1080ti-x4")
+    cap = 10 * 2**30
+    S = Search(profile, hw, 64, cap, PlannerOptions(mode="vPP", gpus=4), Budget(1e9), lambda s: None,
+               plan_ident(profile, hw))
+    cfg = Config("vPP", 4, 4, 8)
+    tasks = S.tasks(cfg, stash=S.stash(cfg))
+    fits, per = bounds.vpp_bound(profile, hw, 64, cfg, cap, S.stash(cfg), None, per_start=True)
+    cheap = per[list(fits).index(25)] * TICKS_PER_S
+    assert vpp_exact.lp_bound(tasks, 25, 12, 14) >= cheap - 1
 
 
 def test_the_shape_bounds_refuse_what_they_cannot_bound():
