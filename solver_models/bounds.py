@@ -199,15 +199,15 @@ def compute_floor(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: 
     if len(fits) == 0:
         return float("inf")
     share = batch if cfg.mode == "vPP" else max(data_shares(batch, cfg.gpus))
-    ub = split_microbatches(share, cfg.u_bwd)
-    ok = stash and stashable_layers(profile, hw, cfg, split_microbatches(share, cfg.u_fwd), ub)
+    uf, ub = split_microbatches(share, cfg.u_fwd), split_microbatches(share, cfg.u_bwd)
+    ok = stash and stashable_layers(profile, hw, cfg, uf, ub)
     bwd, no_rec, moved, _ = _backward_work(profile, hw, cfg, ub)
     # each term of a stashed layer at most its saved activations' way in, which its pack's microbatches
     # take at least (tasks.py), whatever the sign of the layers' backward less forward
     work = float(np.where(ok, np.minimum.reduce([bwd, np.maximum(no_rec, 0.0), moved]), bwd).sum())
     # and the forward of the layers before the largest criterion pack that fits: config_bound's
     # compute counts the forward before each start it weighs, which is least at the first
-    work += float(_forward_before(profile, split_microbatches(share, cfg.u_fwd), fits[:1])[0])
+    work += float(_forward_before(profile, uf, fits[:1])[0])
     return work / cfg.ranks * (1 - 1e-9)
 
 

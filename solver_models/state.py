@@ -90,18 +90,20 @@ class Search:
     def timeline_share(self) -> float:  # of the budget, kept for the timeline model
         return 0.15 if self.opts.cost_model == "default" else 0.0
 
-    def timeline_least(self, plan_: Plan) -> float:
-        """The least work seconds the timeline model of ``plan_`` runs with: its size, plus
-        MIN_TIMELINE_LIMIT of search (steps/order.py)."""
+    def timeline_limit(self, plan_: Plan, besides: float = 0.0) -> float:
+        """The deterministic seconds of search the timeline model of ``plan_`` gets from what is
+        left of the budget, less ``besides`` and its building (steps/order.py): at most a second
+        and a tenth of the time limit; below MIN_TIMELINE_LIMIT it is skipped."""
         events = self.events_of(plan_)
-        return Budget.PER_TIMELINE_EVENT * events + MIN_TIMELINE_LIMIT * timeline_slowness(events)
+        return min(1.0, 0.1 * self.opts.time_limit,
+                   (self.budget.left() - besides - Budget.PER_TIMELINE_EVENT * events) / timeline_slowness(events))
 
     def timeline_reserve(self, plan_: Plan, besides: float = 0.0) -> float:
         """Work seconds to keep for the timeline model of ``plan_``: its size, plus a short search;
-        nothing where what is left, less ``besides`` (kept for other steps), cannot pay for its
-        least run, which is then skipped: keeping it would leave the budget unspent (gpt2_xl D=64
-        on 1-4 GPUs: 1.8 of 9 work seconds)."""
-        if self.timeline_share <= 0 or self.budget.left() - besides < self.timeline_least(plan_):
+        nothing where what is left, less ``besides`` (kept for other steps), is too little for it to
+        run (timeline_limit): keeping it would leave the budget unspent (gpt2_xl D=64 on 1-4 GPUs:
+        1.8 of 9 work seconds)."""
+        if self.timeline_share <= 0 or self.timeline_limit(plan_, besides) < MIN_TIMELINE_LIMIT:
             return 0.0
         events = self.events_of(plan_)
         short = max(0.3, 0.1 * timeline_slowness(events))

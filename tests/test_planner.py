@@ -342,7 +342,8 @@ def test_the_timeline_models_reserve_is_kept_only_where_the_model_can_run():
         S = state.Search(prof, hw, 8, cap, PlannerOptions(mode="vPP", gpus=2), budget.Budget(10.0), lambda s: None, {})
         c = state.Candidate(cfg, tasks, seq, value, 0.0, 0.0, "balanced")
         p = S.plan_of(c, seq)
-        least = S.timeline_least(p)
+        events = S.events_of(p)     # what the model's least run costs: its building, the least search
+        least = budget.Budget.PER_TIMELINE_EVENT * events + budget.MIN_TIMELINE_LIMIT * budget.timeline_slowness(events)
         S.budget.spend(S.budget.total - least + (0.01 if short else -0.01))
         assert (S.timeline_reserve(p) == 0.0) == short
         assert S.timeline_reserve(p, besides=0.02) == 0.0

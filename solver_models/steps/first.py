@@ -55,13 +55,13 @@ FIRST_SHARE = 0.45
 LATER_TIERS_SHARE = 0.25
 
 
-def first_solutions(S: Search, tiers, incumbent: Plan | None, stats: dict, best: list[float] | None = None):
+def first_solutions(S: Search, tiers, incumbent: Plan | None, stats: dict, best: list[float]):
     """Step 2: a first solution per configuration, tier after tier (``tiers``: (ordered, count, least
     floor) per tier; ``ordered`` yields (configuration, bound, bounds computed so far) triples in
     bound order), until in each tier the bound reaches the best model value (the rest of the tier
     is pruned) or the budget share runs out. Returns (candidates, the least bound of the
-    configurations not reached). ``best``: where it keeps the least model value found, for the
-    tiers' orders to prune by (in_bound_order).
+    configurations not reached). ``best``: ``[the least model value found]``, updated here, which
+    the tiers' orders prune by (in_bound_order); ``[inf]`` to start.
 
     Tiers put the configurations that are most often best first (the sizes that divide the
     minibatch) without leaving out the others: those get what the first tier leaves of a smaller share
@@ -71,7 +71,7 @@ def first_solutions(S: Search, tiers, incumbent: Plan | None, stats: dict, best:
     one per process, as in ``_first_ahead``; each is charged and checked here in order as if it
     were computed here, and those the search does not reach are dropped."""
     hint_cfg = None if incumbent is None else Config.of(incumbent)
-    found, best = [], [float("inf")] if best is None else best
+    found = []
     charged, done, total = [0], [0], sum(count for _, count, _ in tiers)
     for k, (ordered, count, _) in enumerate(tiers):
         out = _first_tier(S, ordered, count, incumbent, hint_cfg, stats, found, best, charged, done, total,

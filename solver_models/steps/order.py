@@ -32,11 +32,11 @@ def _solve_timeline(S: Search, plan_: Plan, **kw):
     Harmony's cost model (the model schedules the default simulator's events)."""
     if S.timeline_share <= 0:
         return None
-    events = S.events_of(plan_)
-    slow = timeline_slowness(events)
-    limit = min(1.0, 0.1 * S.opts.time_limit, (S.budget.left() - Budget.PER_TIMELINE_EVENT * events) / slow)
+    limit = S.timeline_limit(plan_)
     if limit < MIN_TIMELINE_LIMIT:
         return None
+    events = S.events_of(plan_)
+    slow = timeline_slowness(events)
     S.budget.spend(Budget.PER_TIMELINE_EVENT * events + limit * slow)
     limits = S.budget.cp_sat_limits(limit)
     if limits["wall_limit"] is not None:        # the model's building counts against the wall too
