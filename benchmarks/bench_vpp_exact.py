@@ -31,7 +31,6 @@ from harmony_opt.core.errors import HarmonyOptError
 from harmony_opt.core.io import check_writable, write_results
 from harmony_opt.report import machine_description, markdown_table
 from harmony_opt.solver_models import bounds, vpp_exact
-from harmony_opt.solver_models.tasks import TICKS_PER_S
 
 MODELS = ("bert_large", "gpt2_medium")
 #: the share of the plan's model value to prove every plan needs: a gap of at most 2 %
@@ -55,10 +54,10 @@ def run_case(model: str, processes: int, limit: float) -> tuple[list[dict], dict
     vpp_exact.check_exact(tasks)
     fits, cheap = bounds.vpp_bound(profile, hw, 64, cfg, cap, stash, None, per_start=True)
     objective = p.solver["objective"]
-    target = math.ceil(SHARE * objective * TICKS_PER_S)
-    todo = [int(s) for s, v in zip(fits, cheap) if v * TICKS_PER_S < target]
+    target = math.ceil(SHARE * objective * tasks.ticks_per_s)
+    todo = [int(s) for s, v in zip(fits, cheap) if v * tasks.ticks_per_s < target]
     jobs = [(s, f, b, target, limit) for s in todo for f, b in vpp_exact.shapes(tasks, s)]
-    print(f"{model}: {cfg}, plan {objective:.4f} s, target {target / TICKS_PER_S:.4f} s, starts {todo}, "
+    print(f"{model}: {cfg}, plan {objective:.4f} s, target {target / tasks.ticks_per_s:.4f} s, starts {todo}, "
           f"{len(jobs)} shapes", flush=True)
     per: dict[int, list] = {s: [] for s in todo}
     with multiprocessing.get_context("fork").Pool(processes) as pool:
@@ -69,7 +68,7 @@ def run_case(model: str, processes: int, limit: float) -> tuple[list[dict], dict
     rows = []
     for s, c in zip(fits.tolist(), cheap.tolist()):
         got = per.get(s)
-        exact = min(r.bound for r, _ in got) / TICKS_PER_S if got else None
+        exact = min(r.bound for r, _ in got) / tasks.ticks_per_s if got else None
         rows.append(dict(model=model, config=f"u={cfg.u_fwd}/{cfg.u_bwd}", start=s, cheap_bound_s=c,
                          shapes=len(got) if got else 0,
                          unproven=sum(not r.proven for r, _ in got) if got else 0,
@@ -79,7 +78,7 @@ def run_case(model: str, processes: int, limit: float) -> tuple[list[dict], dict
     proven = float(df.bound_s.min())
     summary = dict(model=model, config=str(cfg), objective_s=objective, simulated_s=p.simulated_iteration_time_s,
                    planner_bound_s=p.solver["configuration"]["bound"], planner_gap=p.solver["configuration"]["gap"],
-                   target_s=target / TICKS_PER_S, proven_bound_s=proven, proven_gap=(objective - proven) / objective,
+                   target_s=target / tasks.ticks_per_s, proven_bound_s=proven, proven_gap=(objective - proven) / objective,
                    shapes=int(df.shapes.sum()), unproven=int(df.unproven.sum()), cpu_s=float(df.cpu_s.sum()))
     return rows, summary
 

@@ -160,4 +160,4 @@ def solve(tasks: Tasks, *, time_limit: float = 5.0, seed: int = 0, workers: int 
     def decode(value):
         return sequence(tasks, {k for k, xk in enumerate(x) if value(xk)})
     return cpsat.run(m, decode, time_limit=time_limit, seed=seed, workers=workers, rel_gap=rel_gap, report=report,
-                     label=label, variables=len(x), wall_limit=wall_limit)
+                     label=label, variables=len(x), wall_limit=wall_limit, ticks_per_s=tasks.ticks_per_s)

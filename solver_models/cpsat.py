@@ -40,17 +40,17 @@ class Progress(cp_model.CpSolverSolutionCallback):
 
     KEEP = 4
 
-    def __init__(self, report, label: str, decode: Callable[[Callable], list]):
+    def __init__(self, report, label: str, decode: Callable[[Callable], list], ticks_per_s: int = TICKS_PER_S):
         super().__init__()
-        self.report, self.label, self.decode = report, label, decode
+        self.report, self.label, self.decode, self.rate = report, label, decode, ticks_per_s
         self.kept, self.count = [], 0
 
     def on_solution_callback(self):
         self.count += 1
         self.kept = ([self.decode(self.boolean_value)] + self.kept)[: self.KEEP]
         if self.report:
-            self.report(f"  {self.label}: solution {self.count}: {self.objective_value / TICKS_PER_S:.4f} s "
-                        f"(bound {self.best_objective_bound / TICKS_PER_S:.4f} s, {self.wall_time:.2f} s)")
+            self.report(f"  {self.label}: solution {self.count}: {self.objective_value / self.rate:.4f} s "
+                        f"(bound {self.best_objective_bound / self.rate:.4f} s, {self.wall_time:.2f} s)")
 
 
 #: Wall seconds a solve may run, per deterministic second of its limit and in all, before the guard
@@ -109,20 +109,20 @@ def solver(*, time_limit: float, seed: int, workers: int, rel_gap: float, wall_l
 
 def run(model: cp_model.CpModel, decode: Callable[[Callable], list], *, time_limit: float, seed: int, workers: int,
         rel_gap: float, report=None, label: str = "", variables: int = 0,
-        wall_limit: float | None = None) -> SolveResult:
-    """Solve ``model`` (minimizing) under a deterministic time limit; ``decode(value)`` turns an
-    assignment into a task sequence."""
+        wall_limit: float | None = None, ticks_per_s: int = TICKS_PER_S) -> SolveResult:
+    """Solve ``model`` (minimizing, in ticks of 1/``ticks_per_s`` s: Tasks.ticks_per_s) under a
+    deterministic time limit; ``decode(value)`` turns an assignment into a task sequence."""
     t0 = time.perf_counter()
     solver_ = solver(time_limit=time_limit, seed=seed, workers=workers, rel_gap=rel_gap, wall_limit=wall_limit)
-    cb = Progress(report, label, decode)
+    cb = Progress(report, label, decode, ticks_per_s)
     status = solver_.solve(model, cb)
     name = solver_.status_name(status)
     wall = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        bound = solver_.best_objective_bound / TICKS_PER_S if status == cp_model.UNKNOWN else float("inf")
+        bound = solver_.best_objective_bound / ticks_per_s if status == cp_model.UNKNOWN else float("inf")
         return SolveResult(name, None, bound, [], wall, solver_.deterministic_time, [], variables)
     seq = decode(solver_.boolean_value)
-    return SolveResult(name, solver_.objective_value / TICKS_PER_S, solver_.best_objective_bound / TICKS_PER_S, seq,
+    return SolveResult(name, solver_.objective_value / ticks_per_s, solver_.best_objective_bound / ticks_per_s, seq,
                        wall, solver_.deterministic_time, [s for s in cb.kept if s != seq], variables)
 
 

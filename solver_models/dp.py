@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .chain import nodes
-from .tasks import F, TICKS_PER_S, Tasks
+from .tasks import F, Tasks
 from .timing import chain_gap, evaluate
 
 
@@ -76,7 +76,7 @@ def solve_chain(tasks: Tasks, relax_stash: bool = False, price: np.ndarray | Non
     seq = [end]
     while pred[seq[-1]] >= 0:
         seq.append(int(pred[seq[-1]]))
-    return float(cost[end] + c["tail"][end] + c["upd"][end]) / TICKS_PER_S, seq[::-1]
+    return float(cost[end] + c["tail"][end] + c["upd"][end]) / tasks.ticks_per_s, seq[::-1]
 
 
 def within_host(tasks: Tasks, first: tuple[float, list[int]] | None = None, afford=lambda: True, steps: int = 12,
@@ -102,14 +102,14 @@ def within_host(tasks: Tasks, first: tuple[float, list[int]] | None = None, affo
         r = solve_chain(tasks, relax_stash, price=np.floor(lam * host).astype(np.int64))
         if r is None:
             return False
-        bound = max(bound, r[0] - lam * budget / TICKS_PER_S)
+        bound = max(bound, r[0] - lam * budget / tasks.ticks_per_s)
         if host[r[1]].sum() > budget:
             return False
         value = evaluate(tasks, r[1])
         if best is None or value < best[0]:
             best = (value, r[1])
         return True
-    lo, hi = 0.0, first[0] * TICKS_PER_S / max(budget, 1) / 64          # ticks per MiB
+    lo, hi = 0.0, first[0] * tasks.ticks_per_s / max(budget, 1) / 64          # ticks per MiB
     while True:
         if not afford():
             return None if best is None else (*best, bound)

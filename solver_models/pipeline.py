@@ -197,4 +197,4 @@ def solve(tasks: Tasks, *, max_fwd: int = 0, max_bwd: int = 0, layout_: Layout |
         return [k for j in range(lay.positions) for k in lay.rows[j] if value(x[j, int(k)])]
     return cpsat.run(m, lambda value: [int(k) for k in decode(value)], time_limit=time_limit, seed=seed,
                      workers=workers, rel_gap=rel_gap, report=report, label=label, variables=len(x),
-                     wall_limit=wall_limit)
+                     wall_limit=wall_limit, ticks_per_s=tasks.ticks_per_s)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tasks import B, C, F, TICKS_PER_S, Tasks
+from .tasks import B, C, F, Tasks
 
 
 def sequence_of(tasks: Tasks, packs_fwd, packs_bwd, options) -> list[int]:
@@ -113,7 +113,7 @@ def evaluate(tasks: Tasks, seq: list[int], pairwise: bool = False) -> float:
     """The model's iteration time of a task sequence in seconds (inf where GPU or host memory does not
     fit); ``pairwise=True``: what the DP and the CP-SAT chain model count, consecutive tasks only
     (without the forward queue and the waits for the task two back)."""
-    return evaluate_ticks(tasks, seq, pairwise) / TICKS_PER_S
+    return evaluate_ticks(tasks, seq, pairwise) / tasks.ticks_per_s
 
 
 def evaluate_ticks(tasks: Tasks, seq: list[int], pairwise: bool = False) -> float:

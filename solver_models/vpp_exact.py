@@ -190,13 +190,13 @@ def shape_bound(tasks: Tasks, s: int, f: int, b: int, target: int, deterministic
     det = solver.deterministic_time
     if status == cp_model.INFEASIBLE:       # no plan of the shape ends before the target
         return ShapeResult(f, b, float(target), True, det)
-    if status == cp_model.OPTIMAL:
-        return ShapeResult(f, b, float(solver.objective_value), True, det)
+    if status == cp_model.OPTIMAL:     # the model is integral: its values are whole ticks
+        return ShapeResult(f, b, float(round(solver.objective_value)), True, det)
     # out of time: CP-SAT's bound, or the LP relaxation's where higher (CP-SAT may stop before its root LP)
     lp = lp_bound(tasks, s, f, b)
     if lp >= target:
         return ShapeResult(f, b, float(target), True, det)
-    return ShapeResult(f, b, max(float(solver.best_objective_bound), lp), False, det)
+    return ShapeResult(f, b, max(float(math.ceil(solver.best_objective_bound - 1e-6)), lp), False, det)
 
 
 #: GLOP's settings, tried in turn while it stops without an answer (ABNORMAL: the simplex lost its way

@@ -235,7 +235,7 @@ def test_link_bound_counts_only_the_backward_packs_weights_in_the_backward():
     profile = Profile("buffers", layers, micro, {"model": "buffers"})
     cfg = Config("vPP", 1, 1, 1)
     tasks = build_tasks(profile, hw, 1, cfg, 70_000_000, stash=True)
-    assert _best(tasks)[0] == pytest.approx(0.0105)
+    assert _best(tasks)[0] == pytest.approx(0.0105, rel=0.01)     # the 10.5 ms layer and a few us of the others
     check_configuration(profile, hw, 1, cfg, 70_000_000, stash=True, solve=True)
 
 

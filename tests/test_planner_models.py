@@ -9,7 +9,7 @@ from harmony_opt.planners.baselines import plan_harmony
 from harmony_opt.core.plan import Plan
 from harmony_opt.sim.simulator import simulate
 from harmony_opt.solver_models import chain, dp, pipeline, search
-from harmony_opt.solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts
+from harmony_opt.solver_models.tasks import Config, build_tasks, candidate_cuts
 from harmony_opt.solver_models.timing import evaluate, pack_starts, packs_of, phase_parts, sequence_of, sequence_of_plan
 
 from conftest import synthetic_profile
@@ -193,7 +193,7 @@ def test_model_counts_the_forward_queue_of_many_small_backward_packs():
              options=tuple(PackOptions(rc, "gpu" if g else "cpu") for rc, g in o))
     simulated = simulate(p, prof, hw, with_timeline=False).iteration_time
     queued, unqueued = phase_parts(tasks, seq)[1], phase_parts(tasks, seq, pairwise=True)[1]
-    assert queued > unqueued + 0.4 * TICKS_PER_S
+    assert queued > unqueued + 0.4 * tasks.ticks_per_s
     assert 0.9 * simulated <= evaluate(tasks, seq) <= simulated      # without the queue: 0.86
 
 
@@ -337,13 +337,13 @@ def test_cp_sat_models_charge_the_host_floor(gpus):
     starts, _ = search.starts(tasks, prof)
     value, seq, _ = search.improve(tasks, starts[0][1], 200, seed=0)
     from harmony_opt.solver_models.timing import issuing_floor
-    assert round(value * TICKS_PER_S) == issuing_floor(tasks, seq) > 0      # the host sets the step
+    assert round(value * tasks.ticks_per_s) == issuing_floor(tasks, seq) > 0      # the host sets the step
     if gpus == 1:
         res = chain.solve(tasks, time_limit=5, hint=seq, rel_gap=0.0)
     else:
         nf = sum(1 for k in seq if tasks.table.kind[k] == 0)
         res = pipeline.solve(tasks, max_fwd=nf + 2, max_bwd=len(seq) - nf + 2, time_limit=5, hint=seq, rel_gap=0.0)
     assert res.objective is not None and res.objective <= value + 1e-9
-    assert round(res.objective * TICKS_PER_S) >= issuing_floor(tasks, res.sequence)
+    assert round(res.objective * tasks.ticks_per_s) >= issuing_floor(tasks, res.sequence)
     if res.status == "OPTIMAL":
         assert evaluate(tasks, res.sequence, pairwise=gpus == 1) == pytest.approx(res.objective, abs=1e-9)

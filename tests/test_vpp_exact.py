@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from harmony_opt import get_hardware, load_profile
 from harmony_opt.solver_models import vpp_exact
-from harmony_opt.solver_models.tasks import B, F, TICKS_PER_S, Config, build_tasks, candidate_cuts
+from harmony_opt.solver_models.tasks import B, F, Config, build_tasks, candidate_cuts
 from harmony_opt.solver_models.timing import _pipeline_time, evaluate_ticks
 
 from planner_cases import every_plan
@@ -114,7 +114,7 @@ def test_the_lp_relaxation_answers_where_glops_default_settings_stop():
     cfg = Config("vPP", 4, 4, 8)
     tasks = S.tasks(cfg, stash=S.stash(cfg))
     fits, per = bounds.vpp_bound(profile, hw, 64, cfg, cap, S.stash(cfg), None, per_start=True)
-    cheap = per[list(fits).index(25)] * TICKS_PER_S
+    cheap = per[list(fits).index(25)] * tasks.ticks_per_s
     assert vpp_exact.lp_bound(tasks, 25, 12, 14) >= cheap - 1
 
 
