@@ -82,6 +82,25 @@ class Budget:
     PER_MODEL_ROW = 9e-5    # building a CP-SAT model and completing its hint, per Boolean
     PER_SOLVE = 0.05        # CP-SAT's start-up, which its deterministic clock barely counts
     PER_TIMELINE_EVENT = 2.5e-4  # the timeline model, per event, besides its time limit
+    # A vPP shape's model (vpp_exact, steps/improve.py exact_shapes): building and solving one costs a
+    # fixed part, a part per Boolean and CP-SAT's deterministic time, which undercounts these small
+    # solves (least squares over 301 shapes of a 12-layer Llama and bert_large: 2.3-10 ms, 5-20 us
+    # per Boolean, 1.4-2.6 wall seconds per deterministic one)
+    PER_SHAPE = 8e-3
+    PER_SHAPE_ROW = 2e-5
+    SHAPE_SLOWNESS = 2.5
+    PER_SHAPE_PATH = 1e-4       # a shape's path bound (vpp_exact.path_bound): fixed part ...
+    PER_SHAPE_PATH_ROW = 1.5e-6  # ... per candidate task (0.3 ms at 207, 1.2 ms at 845)
+
+    @staticmethod
+    def shape(size: int, deterministic_time: float = 0.0) -> float:
+        """One shape's model of ``size`` Booleans built and solved in ``deterministic_time``."""
+        return Budget.PER_SHAPE + Budget.PER_SHAPE_ROW * size + Budget.SHAPE_SLOWNESS * deterministic_time
+
+    @staticmethod
+    def shape_path(rows: int) -> float:
+        """One shape's path bound over a table of ``rows`` candidate tasks."""
+        return Budget.PER_SHAPE_PATH + Budget.PER_SHAPE_PATH_ROW * rows
 
     @staticmethod
     def dp(tasks: Tasks) -> float:

@@ -33,6 +33,8 @@ class PlannerOptions:
     options: bool = True            # search per-pack recompute/stash and CPU/GPU optimizer (off in harmony_space)
     cost_model: str = "default"     # the simulator that judges candidates: default | harmony
     gpu_handoff: bool = True        # may keep gradients between single-microbatch backward packs on the GPU
+    shapes: bool = True             # solve small vPP configurations shape by shape (steps/improve.py exact_shapes);
+                                    # False: CP-SAT's position model and the local search only
 
 
 def validate(opts: PlannerOptions, hw: Hardware, batch: int) -> None:

@@ -57,7 +57,7 @@ from .state import Candidate, Search
 from .tasks import Config, build_tasks, candidate_cuts
 from .timing import evaluate, pack_starts, sequence_of_plan
 from .steps.first import first_solutions, harmony_hint
-from .steps.improve import cp_sat, local_search, tighten
+from .steps.improve import cp_sat, exact_shapes, local_search, tighten
 from .steps.select import handoff_chains, judge_candidates, polish, sweep_starts, with_handoff
 from .steps.order import timeline_of, transfer_order
 
@@ -92,8 +92,8 @@ def _configuration_report(S: Search, c: Candidate | None) -> dict | None:
     if c is None:
         return None
     r = c.solve if c.solve is not None and c.solve.objective is not None else None
-    if c.proof == "dp":
-        status, proof = "OPTIMAL", "dp"
+    if c.proof in ("dp", "shapes"):
+        status, proof = "OPTIMAL", c.proof
     elif (r is not None and r.status == "OPTIMAL" and c.cfg.ranks == 1 and c.how == "cp-sat"
           and c.value <= r.objective + 1e-9):       # not where what it leaves out binds (timing.py)
         status, proof = "OPTIMAL", "cp-sat"
@@ -262,6 +262,7 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
             raise S.infeasible()
         local_search(S, found)                                                           # 3
         cp_sat(S, found)
+        exact_shapes(S, found)
         best_plan, best_t, best_c = judge_candidates(S, found, incumbent)                # 4
         if best_c is not None and best_c.cfg.ranks == 1 and S.handoff(best_c.cfg):
             best_plan, best_t = handoff_chains(S, best_c, best_plan, best_t)   # 4b

@@ -38,6 +38,7 @@ class Candidate:
     tight: bool = True              # ``bound`` already holds the DP's with the stash variants (tighten)
     tight_floor: bool = True        # ``floor`` already holds the DP's on every variant (tighten)
     pathed: bool = False            # vPP: ``bound`` already holds vpp_bound's (tighten)
+    shapes: bool = False            # vPP: every shape of plans below the best model value was solved (exact_shapes)
 
 
 @dataclasses.dataclass

@@ -47,6 +47,8 @@ class ShapeResult:
     bound: float
     proven: bool
     deterministic_time: float
+    size: int = 0                   # the model's Booleans (what building it costs)
+    sequence: tuple | None = None   # the best plan CP-SAT found below the target: task rows in position order
 
 
 def check_exact(tasks: Tasks) -> None:
@@ -175,28 +177,93 @@ def shape_model(tasks: Tasks, s: int, f: int, b: int, below: int | None = None, 
     return m, T
 
 
-def shape_bound(tasks: Tasks, s: int, f: int, b: int, target: int, deterministic_limit: float = 5.0
-                ) -> ShapeResult:
+def path_bound(tasks: Tasks, s: int, f: int, b: int) -> float:
+    """A bound on every plan of the shape (ticks) from the recurrence's paths, in about a millisecond
+    where CP-SAT takes ten: for each GPU g and each of its positions k, the first microbatch passes the
+    positions before g (``S_j >= S_{j-1} + p_first_{j-1} + hop_j``), GPU g runs its tasks g, g + N,
+    .., k (``S_{j+N} >= E_j >= S_j + load_j``), the last microbatch passes every position after k
+    (``E_j >= E_{j-1} + hop_j + p_last_j``), and the last task's tail and update follow; with the
+    shape fixed each task's cost on a path is set by its position, so the least over the packings is
+    a shortest path over (position, layer boundary), forward packs up to s, backward packs down from
+    it. The largest over the paths; inf where the shape has no plan."""
+    t, d, n = tasks.table, tasks.ticks(), tasks.cfg.ranks
+    rows, pos = _arcs(tasks, s, f, b)
+    P = f + 1 + b
+    if not (pos == f).any():
+        return math.inf
+    hop, first, last, load = (d[c][rows].astype(float) for c in ("hop_in", "p_first", "p_last", "load"))
+    ends = (d["tail"][rows] + d["upd"][rows]).astype(float)
+    g = np.concatenate([np.full(len(range(k, P, n)), k) for k in range(min(n, P))])[:, None]
+    k = np.concatenate([np.arange(k, P, n) for k in range(min(n, P))])[:, None]
+    j = pos[None, :]
+    cost = (np.where(j <= g, hop, 0.0) + np.where(j < g, first, 0.0)
+            + np.where((j % n == g) & (j <= k), load, 0.0) + np.where(j > k, hop + last, 0.0)
+            + np.where(j == P - 1, ends, 0.0))
+    lo, hi = t.start[rows], t.end[rows] + 1
+
+    def walk(positions, at, to, origin):
+        """the least cost per path of packs at ``positions`` from boundary ``origin``, per boundary reached"""
+        dist = np.full((s + 1, len(cost)), math.inf)
+        dist[origin] = 0.0
+        for q in positions:
+            m = pos == q
+            nd = np.full_like(dist, math.inf)
+            np.minimum.at(nd, to[m], dist[at[m]] + cost[:, m].T)
+            dist = nd
+        return dist
+    total = cost[:, pos == f].min(axis=1)
+    if f:
+        total = total + walk(range(f), lo, hi, 0)[s]
+    if b:
+        total = total + walk(range(f + 1, P), hi, lo, s)[0]
+    return float(total.max())
+
+
+#: Below this many Booleans a shape's model is solved without its LP, probing and symmetries: its
+#: presolve and search decide it (a 12-layer Llama's shapes, about 200 Booleans: 120 proofs that no
+#: plan beats the best in 1.36 s instead of 1.94 s, 213 solves in 3.7 s instead of 11.8 s); larger
+#: ones need the LP (bert_large's, about 760: 40 proofs in 10 s with it, 28 s without, 4 unfinished)
+SMALL_SHAPE = 400
+
+
+def shape_bound(tasks: Tasks, s: int, f: int, b: int, target: int, deterministic_limit: float = 5.0,
+                lp: bool = True) -> ShapeResult:
     """At least what every plan of the shape takes (ticks), up to ``target``: proven to need at least
-    ``target``, or the shape's optimum below it, or CP-SAT's bound where its time ran out."""
+    ``target``, or the shape's optimum below it, or CP-SAT's bound where its time ran out (with
+    ``lp``, or the LP relaxation's where higher); with the best plan found below the target. The
+    plan leaves out the memory rules that couple two tasks: ``timing.evaluate`` rates it."""
     m, _ = shape_model(tasks, s, f, b, below=target)
+    size = len(_arcs(tasks, s, f, b)[0])
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.num_workers = 1
     p.random_seed = 0
     p.max_deterministic_time = deterministic_limit
-    p.linearization_level = 2
+    if size < SMALL_SHAPE:
+        p.linearization_level = p.cp_model_probing_level = p.symmetry_level = 0
+    else:
+        p.linearization_level = 2
     status = solver.solve(m)
     det = solver.deterministic_time
     if status == cp_model.INFEASIBLE:       # no plan of the shape ends before the target
-        return ShapeResult(f, b, float(target), True, det)
+        return ShapeResult(f, b, float(target), True, det, size)
+    seq = _sequence(tasks, s, f, b, m, solver) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
     if status == cp_model.OPTIMAL:     # the model is integral: its values are whole ticks
-        return ShapeResult(f, b, float(round(solver.objective_value)), True, det)
+        return ShapeResult(f, b, float(round(solver.objective_value)), True, det, size, seq)
     # out of time: CP-SAT's bound, or the LP relaxation's where higher (CP-SAT may stop before its root LP)
-    lp = lp_bound(tasks, s, f, b)
-    if lp >= target:
-        return ShapeResult(f, b, float(target), True, det)
-    return ShapeResult(f, b, max(float(math.ceil(solver.best_objective_bound - 1e-6)), lp), False, det)
+    bound = float(math.ceil(solver.best_objective_bound - 1e-6))
+    if lp:
+        bound = max(bound, lp_bound(tasks, s, f, b))
+    if bound >= target:
+        return ShapeResult(f, b, float(target), True, det, size, seq)
+    return ShapeResult(f, b, bound, False, det, size, seq)
+
+
+def _sequence(tasks: Tasks, s: int, f: int, b: int, m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple:
+    """The task rows CP-SAT chose, in position order (shape_model's first Booleans are the arcs')."""
+    rows, pos = _arcs(tasks, s, f, b)
+    chosen = [i for i in range(len(rows)) if solver.boolean_value(m.get_bool_var_from_proto_index(i))]
+    return tuple(int(rows[i]) for i in sorted(chosen, key=lambda i: pos[i]))
 
 
 #: GLOP's settings, tried in turn while it stops without an answer (ABNORMAL: the simplex lost its way

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 from harmony_opt import get_hardware, load_profile
+from harmony_opt.core.bundled import plan_ident
 from harmony_opt.core.errors import InfeasibleError
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.plan import data_shares, split_microbatches
@@ -29,7 +30,9 @@ from harmony_opt.solver_models import chain, dp, search
 from harmony_opt.solver_models.bounds import (compute_floor, config_bound, in_bound_order, pipeline_gpu_bound,
                                               pipeline_path_bound, vpp_bound)
 from harmony_opt.solver_models.options import configurations
+from harmony_opt.solver_models.budget import Budget
 from harmony_opt.solver_models.planner import PlannerOptions, plan
+from harmony_opt.solver_models.state import Search
 from harmony_opt.solver_models.tasks import TICKS_PER_S, Config, build_tasks, candidate_cuts
 from harmony_opt.solver_models.timing import evaluate, sequence_of
 
@@ -278,7 +281,27 @@ def check_plan_bounds(profile: Profile, hw: Hardware, batch: int, cap: int, mode
     if s["bound"] is not None and s["objective"] is not None:
         assert s["bound"] <= s["objective"] + tol, ("every configuration", mode, s["bound"], s["objective"])
     assert s["lower_bound_s"] <= p.simulated_iteration_time_s, (s["lower_bound_s"], p.simulated_iteration_time_s)
+    if conf is not None and conf["bound"] is not None and p.mode == "vPP" and p.gpus > 1 and profile.num_layers <= 6:
+        # a pipeline's bound (solved shape by shape on such small models: exact_shapes) against every plan
+        # of its configuration, as the planner builds its tasks
+        S = Search(profile, hw, batch, cap, PlannerOptions(mode=mode), Budget(1.0), lambda s: None,
+                   plan_ident(profile, hw))
+        cfg = Config.of(p)
+        tasks = S.tasks(cfg, stash=S.stash(cfg))
+        optimum = min(evaluate(tasks, seq) for seq in every_plan(tasks))
+        assert conf["bound"] <= optimum + tol, ("configuration's optimum", conf, optimum)
+        if conf["proof"] is not None:
+            assert conf["objective"] == pytest.approx(optimum, abs=tol), ("proven optimal", conf, optimum)
     return True
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(3, 6), st.integers(0, 10**6), st.sampled_from([4, 8]), st.floats(0.4, 3.0), st.integers(2, 3))
+def test_the_planners_pipeline_bound_is_below_every_plan_of_its_configuration(R, seed, batch, tight, gpus):
+    """vPP on two or three GPUs, where the planner solves small models shape by shape: the chosen
+    configuration's bound at most the least of every plan of it, and a plan reported optimal at it."""
+    profile, hw, cap = instance(R, seed, [1, 2, 4, 8], [1, 2, 4, 8], gpus, 6e9, 0.0, batch, tight)
+    check_plan_bounds(profile, hw, batch, cap, "vPP")
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -49,6 +49,7 @@ def test_every_shape_bound_lies_between_the_recurrence_and_the_model(R, seed, si
         exact = vpp_exact.shape_bound(tasks, s, f, b, target=2**40)
         assert exact.proven
         assert free <= exact.bound <= model, (s, f, b, free, exact.bound, model)
+        assert vpp_exact.path_bound(tasks, s, f, b) <= free, (s, f, b)
         assert vpp_exact.lp_bound(tasks, s, f, b) <= exact.bound
         if math.isfinite(model):
             # a target at or below the optimum is proven as it is; above it, the optimum is found
@@ -129,3 +130,60 @@ def test_the_shape_bounds_refuse_what_they_cannot_bound():
     chain = build_tasks(profile, hw, 8, Config("vDP", 2, 2, 2), cap)
     with pytest.raises(ValueError, match="vPP"):
         vpp_exact.check_exact(chain)
+
+
+def _search(profile, hw, cap, gpus, batch=8):
+    from harmony_opt.core.bundled import plan_ident
+    from harmony_opt.solver_models.budget import Budget
+    from harmony_opt.solver_models.options import PlannerOptions
+    from harmony_opt.solver_models.state import Search
+    return Search(profile, hw, batch, cap, PlannerOptions(mode="vPP", gpus=gpus), Budget(100.0), lambda s: None,
+                  plan_ident(profile, hw))
+
+
+@pytest.mark.parametrize("R, seed, gpus, u, tight", [(6, 3, 2, 2, 3.0), (6, 11, 3, 1, 3.0), (5, 7, 2, 4, 3.0),
+                                                      (6, 5, 2, 2, 0.6), (5, 2, 3, 2, 0.5)])
+def test_the_shapes_step_reaches_the_optimum_from_the_worst_plan_and_bounds_every_plan(R, seed, gpus, u, tight):
+    """exact_shapes from a configuration's slowest plan: it ends at the model's optimum where the
+    memory rules it leaves out do not bind (a loose cap) and proves it, and its bound is at most
+    every plan of the configuration whatever the cap."""
+    from harmony_opt.solver_models.state import Candidate
+    from harmony_opt.solver_models.steps.improve import RUNNERS_UP, exact_shapes
+    from harmony_opt.solver_models.timing import evaluate
+    profile, hw, cap = instance(R, seed, [1, 2, 4], [1, 2, 4], gpus, 6e9, 0.0, 8, tight)
+    S = _search(profile, hw, cap, gpus)
+    cfg = Config("vPP", gpus, u, u)
+    tasks = S.tasks(cfg, stash=S.stash(cfg))
+    rated = [(evaluate(tasks, seq), seq) for seq in every_plan(tasks)]
+    rated = [(v, seq) for v, seq in rated if math.isfinite(v)]
+    optimum = min(v for v, _ in rated)
+    worst, seq = max(rated, key=lambda vs: vs[0])
+    c = Candidate(cfg, tasks, seq, worst, 0.0, 0.0, "balanced")
+    found = [c]
+    exact_shapes(S, found)
+    assert c.shapes
+    assert c.bound <= optimum + 1e-9 <= c.value + 1e-9
+    assert all(d.bound <= optimum + 1e-9 for d in found)       # the copies kept for the judge too
+    if tight >= 3.0:
+        assert c.value == pytest.approx(optimum) and c.proof == "shapes" and c.bound == pytest.approx(optimum)
+    if worst > optimum:     # the simulator judges the plan it started from and the runners-up too
+        assert c.how == "shapes" and any(d.how == "balanced" and d.value == worst for d in found)
+        assert 2 <= len(found) <= 2 + RUNNERS_UP and all(d.value >= c.value for d in found)
+
+
+def test_the_shapes_step_leaves_a_model_too_large_for_its_budget_untouched():
+    """bert_large's vPP shapes take far more than a 10 s budget: nothing is built, nothing charged."""
+    from harmony_opt.solver_models.budget import Budget
+    from harmony_opt.solver_models.state import Candidate
+    from harmony_opt.solver_models.steps.improve import exact_shapes
+    from harmony_opt.solver_models.search import starts
+    profile, hw = load_profile("bert_large"), get_hardware("1080ti-x4")
+    S = _search(profile, hw, 10 * 2**30, 4, batch=64)
+    S.budget = Budget(9.0)
+    cfg = Config("vPP", 4, 8, 8)
+    tasks = S.tasks(cfg)
+    value, seq = starts(tasks, profile, tries=1)[0][0]
+    c = Candidate(cfg, tasks, seq, value, 0.0, 0.0, "balanced")
+    used = S.budget.used
+    exact_shapes(S, [c])
+    assert S.budget.used == used and not c.shapes and c.seq == seq

@@ -174,7 +174,8 @@ def solver_summary(s: dict) -> list[str]:
         out.append(f"configuration {c['configuration']}: best found ({c['found_by']}); the planner's model describes "
                    f"the default simulator, so it proves nothing under this cost model: the simulator judged")
     elif c:
-        how = {"dp": "proven optimal for the model by the exact DP", "cp-sat": "proven optimal for the model by CP-SAT"}
+        how = {"dp": "proven optimal for the model by the exact DP", "cp-sat": "proven optimal for the model by CP-SAT",
+               "shapes": "proven optimal for the model by CP-SAT, shape by shape"}
         proof = how.get(c["proof"], f"best found ({c['found_by']}), bound {c['bound']:.4f} s, gap {pct(c['gap'])}")
         out.append(f"configuration {c['configuration']}: {proof}")
     if s.get("bound") is not None and s.get("objective") is not None:
