@@ -296,11 +296,15 @@ def check_plan_bounds(profile: Profile, hw: Hardware, batch: int, cap: int, mode
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(3, 6), st.integers(0, 10**6), st.sampled_from([4, 8]), st.floats(0.4, 3.0), st.integers(2, 3))
-def test_the_planners_pipeline_bound_is_below_every_plan_of_its_configuration(R, seed, batch, tight, gpus):
+@given(st.integers(3, 6), st.integers(0, 10**6), st.sampled_from([4, 8]), st.floats(0.4, 3.0), st.integers(2, 3),
+       st.sampled_from([0.0, 1e10]))
+# the plan's compiled program exceeded the cap, and the search again under a lowered cap reported that
+# search's bound, 0.1162 s, where a plan of 0.1054 s fits the user's cap (benchmarks/fuzz_bounds.py)
+@example(R=6, seed=12377, batch=8, tight=1.2611657040041413, gpus=2, p2p=1e10)
+def test_the_planners_pipeline_bound_is_below_every_plan_of_its_configuration(R, seed, batch, tight, gpus, p2p):
     """vPP on two or three GPUs, where the planner solves small models shape by shape: the chosen
     configuration's bound at most the least of every plan of it, and a plan reported optimal at it."""
-    profile, hw, cap = instance(R, seed, [1, 2, 4, 8], [1, 2, 4, 8], gpus, 6e9, 0.0, batch, tight)
+    profile, hw, cap = instance(R, seed, [1, 2, 4, 8], [1, 2, 4, 8], gpus, 6e9, p2p, batch, tight)
     check_plan_bounds(profile, hw, batch, cap, "vPP")
 
 
