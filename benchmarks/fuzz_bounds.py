@@ -16,8 +16,9 @@ Two checks, each counted and each failure printed with the draw that replays it:
 * ``exact``: compute_floor <= config_bound, and config_bound, pipeline_path_bound, pipeline_gpu_bound
   and vpp_bound at most the exact optimum of their configuration's model (every plan enumerated),
   stash variants on and off;
-* ``planner``: ``plan()``'s bound for the chosen configuration at most its objective, its bound over
-  every configuration at most the chosen objective, and its lower bound over all plans at most the
+* ``planner``: ``plan()``'s bound for the chosen configuration at most its objective (and, for a vPP
+  configuration of up to six layers, at most every plan of it, enumerated), its bound over every
+  configuration at most the chosen objective, and its lower bound over all plans at most the
   simulated time.
 
     .venv/bin/python benchmarks/fuzz_bounds.py --part exact --minutes 10 --seed 1 \\
