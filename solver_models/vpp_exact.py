@@ -69,7 +69,7 @@ def shapes(tasks: Tasks, s: int) -> list[tuple[int, int]]:
     return [(f, b) for f in range(lo_f, s + 1) for b in range(lo_b, s + 1)]
 
 
-def _arcs(tasks: Tasks, s: int, f: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+def shape_arcs(tasks: Tasks, s: int, f: int, b: int) -> tuple[np.ndarray, np.ndarray]:
     """(rows, positions) of every task that may sit at a position of the shape: forward packs in
     [0, s) at positions 0 .. f - 1, the criterion pack [s, R - 1] at f, backward packs at
     f + 1 .. f + b, each leaving room for the packs before and after it (one layer each at least)."""
@@ -92,11 +92,13 @@ def _arcs(tasks: Tasks, s: int, f: int, b: int) -> tuple[np.ndarray, np.ndarray]
     return np.concatenate(rows), np.concatenate(pos)
 
 
-def shape_model(tasks: Tasks, s: int, f: int, b: int, below: int | None = None, relax: bool = False):
+def shape_model(tasks: Tasks, s: int, f: int, b: int, below: int | None = None, relax: bool = False,
+                arcs: tuple | None = None):
     """(model, T) of the shape's plans, T in ticks: a CP-SAT CpModel, or with ``relax`` its LP relaxation
-    (a model_builder model for GLOP); ``below``: only plans with T < below (ticks)."""
+    (a model_builder model for GLOP); ``below``: only plans with T < below (ticks); ``arcs``: the
+    shape's ``shape_arcs``, where the caller has them."""
     t, d, n = tasks.table, tasks.ticks(), tasks.cfg.ranks
-    rows, pos = _arcs(tasks, s, f, b)
+    rows, pos = shape_arcs(tasks, s, f, b) if arcs is None else arcs
     P = f + 1 + b
     if relax:
         m, weighted = mb.ModelBuilder(), mb.LinearExpr.weighted_sum
@@ -177,7 +179,7 @@ def shape_model(tasks: Tasks, s: int, f: int, b: int, below: int | None = None, 
     return m, T
 
 
-def path_bound(tasks: Tasks, s: int, f: int, b: int) -> float:
+def path_bound(tasks: Tasks, s: int, f: int, b: int, arcs: tuple | None = None) -> float:
     """A bound on every plan of the shape (ticks) from the recurrence's paths, in about a millisecond
     where CP-SAT takes ten: for each GPU g and each of its positions k, the first microbatch passes the
     positions before g (``S_j >= S_{j-1} + p_first_{j-1} + hop_j``), GPU g runs its tasks g, g + N,
@@ -185,9 +187,9 @@ def path_bound(tasks: Tasks, s: int, f: int, b: int) -> float:
     (``E_j >= E_{j-1} + hop_j + p_last_j``), and the last task's tail and update follow; with the
     shape fixed each task's cost on a path is set by its position, so the least over the packings is
     a shortest path over (position, layer boundary), forward packs up to s, backward packs down from
-    it. The largest over the paths; inf where the shape has no plan."""
+    it. The largest over the paths; inf where the shape has no plan. ``arcs``: as shape_model's."""
     t, d, n = tasks.table, tasks.ticks(), tasks.cfg.ranks
-    rows, pos = _arcs(tasks, s, f, b)
+    rows, pos = shape_arcs(tasks, s, f, b) if arcs is None else arcs
     P = f + 1 + b
     if not (pos == f).any():
         return math.inf
@@ -227,13 +229,15 @@ SMALL_SHAPE = 400
 
 
 def shape_bound(tasks: Tasks, s: int, f: int, b: int, target: int, deterministic_limit: float = 5.0,
-                lp: bool = True) -> ShapeResult:
+                lp: bool = True, arcs: tuple | None = None) -> ShapeResult:
     """At least what every plan of the shape takes (ticks), up to ``target``: proven to need at least
     ``target``, or the shape's optimum below it, or CP-SAT's bound where its time ran out (with
     ``lp``, or the LP relaxation's where higher); with the best plan found below the target. The
-    plan leaves out the memory rules that couple two tasks: ``timing.evaluate`` rates it."""
-    m, _ = shape_model(tasks, s, f, b, below=target)
-    size = len(_arcs(tasks, s, f, b)[0])
+    plan leaves out the memory rules that couple two tasks: ``timing.evaluate`` rates it. ``arcs``:
+    as shape_model's."""
+    arcs = shape_arcs(tasks, s, f, b) if arcs is None else arcs
+    m, _ = shape_model(tasks, s, f, b, below=target, arcs=arcs)
+    size = len(arcs[0])
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.num_workers = 1
@@ -247,7 +251,7 @@ def shape_bound(tasks: Tasks, s: int, f: int, b: int, target: int, deterministic
     det = solver.deterministic_time
     if status == cp_model.INFEASIBLE:       # no plan of the shape ends before the target
         return ShapeResult(f, b, float(target), True, det, size)
-    seq = _sequence(tasks, s, f, b, m, solver) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
+    seq = _sequence(arcs, m, solver) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
     if status == cp_model.OPTIMAL:     # the model is integral: its values are whole ticks
         return ShapeResult(f, b, float(round(solver.objective_value)), True, det, size, seq)
     # out of time: CP-SAT's bound, or the LP relaxation's where higher (CP-SAT may stop before its root LP)
@@ -259,9 +263,9 @@ def shape_bound(tasks: Tasks, s: int, f: int, b: int, target: int, deterministic
     return ShapeResult(f, b, bound, False, det, size, seq)
 
 
-def _sequence(tasks: Tasks, s: int, f: int, b: int, m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple:
+def _sequence(arcs: tuple, m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple:
     """The task rows CP-SAT chose, in position order (shape_model's first Booleans are the arcs')."""
-    rows, pos = _arcs(tasks, s, f, b)
+    rows, pos = arcs
     chosen = [i for i in range(len(rows)) if solver.boolean_value(m.get_bool_var_from_proto_index(i))]
     return tuple(int(rows[i]) for i in sorted(chosen, key=lambda i: pos[i]))
 

@@ -25,11 +25,7 @@ def tighten(S: Search, c: Candidate, floor: bool = False) -> None:
     over all of them down."""
     if c.cfg.ranks > 1:
         if not c.pathed:
-            c.pathed = True
-            value = vpp_bound(S.profile, S.hw, S.batch, c.cfg, S.cap, S.stash(c.cfg), upto=c.value)
-            S.budget.spend(Budget.PER_PATH_LAYER * S.profile.num_layers)
-            # at most the value in ticks (timing.py rounds each task's times to Tasks.ticks_per_s)
-            c.bound = c.floor = max(c.bound, min(value, c.value))
+            _path_bounds(S, c, upto=c.value)
         return
     for kept in [k for k, todo in ((False, not c.tight), (True, floor and not c.tight_floor)) if todo]:
         tasks = build_tasks(S.profile, S.hw, S.batch, c.cfg, S.cap, gpu_opt=S.options, stash=S.stash(c.cfg),
@@ -46,6 +42,26 @@ def tighten(S: Search, c: Candidate, floor: bool = False) -> None:
             c.tight, c.bound = True, max(c.bound, value)
             if c.tight_floor:           # no variant with kept gradients: the same bound
                 c.floor = max(c.floor, value)
+
+
+def _path_bounds(S: Search, c: Candidate, upto: float = math.inf):
+    """``vpp_bound`` of ``c``'s vPP configuration per criterion start (fits, per), charged; ``c``'s
+    bound raised to their least, at most its value in ticks (timing.py rounds each task's times to
+    Tasks.ticks_per_s). ``upto``: as vpp_bound's."""
+    fits, per = vpp_bound(S.profile, S.hw, S.batch, c.cfg, S.cap, S.stash(c.cfg), upto=upto, per_start=True)
+    S.budget.spend(Budget.PER_PATH_LAYER * S.profile.num_layers)
+    c.pathed = True
+    c.bound = c.floor = max(c.bound, min(float(per.min(initial=math.inf)), c.value))
+    return fits, per
+
+
+def _best_of_each(found: list[Candidate]) -> dict:
+    """Each configuration's best candidate (found may hold older ones), the best first; ties in the
+    order found."""
+    best = {}
+    for c in sorted(found, key=lambda c: c.value):      # stable: ties in the order found
+        best.setdefault(c.cfg, c)
+    return best
 
 
 def local_search(S: Search, found: list[Candidate]) -> None:
@@ -215,11 +231,9 @@ def exact_shapes(S: Search, found: list[Candidate]) -> None:
     those configurations and keeps its budget for the chains' model: on a CPU-measured ResNet (11
     layers, vDP x4 u=4/4) that model found 0.0072 s where the DP's plan took 0.0082 s."""
     share = 0.85 - S.timeline_share
-    ranked = {}
-    for c in sorted((c for c in found if c.cfg.ranks > 1), key=lambda c: (c.value, str(c.cfg))):
-        ranked.setdefault(c.cfg, c)         # a configuration's best candidate (found may hold older ones)
+    vpp = [c for c in _best_of_each(found).values() if c.cfg.ranks > 1]
     best = min((c.value for c in found), default=math.inf)
-    for c in sorted(ranked.values(), key=lambda c: (c.bound, str(c.cfg))):
+    for c in sorted(vpp, key=lambda c: (c.bound, str(c.cfg))):
         if c.bound < best and shapeable(S, c, share):
             best = min(best, _solve_shapes(S, c, found, best, share))
 
@@ -243,16 +257,12 @@ def _shapes_cost(count: int, rows: int) -> float:
 
 def _solve_shapes(S: Search, c: Candidate, found: list[Candidate], best: float, share: float) -> float:
     """``exact_shapes`` on one configuration; returns the best model value found."""
-    stash = S.stash(c.cfg)
-    tasks = S.tasks(c.cfg, stash=stash)
+    tasks = S.tasks(c.cfg, stash=S.stash(c.cfg))
     try:
         vpp_exact.check_exact(tasks)
     except ValueError:
         return best
-    fits, per = vpp_bound(S.profile, S.hw, S.batch, c.cfg, S.cap, stash, per_start=True)
-    S.budget.spend(Budget.PER_PATH_LAYER * S.profile.num_layers)
-    c.pathed = True
-    c.bound = c.floor = max(c.bound, min(float(per.min(initial=math.inf)), c.value))
+    fits, per = _path_bounds(S, c)
     target = math.ceil(best * tasks.ticks_per_s - 1e-6)
     starts = [(float(v) * tasks.ticks_per_s, int(s)) for s, v in zip(fits, per) if v * tasks.ticks_per_s < target]
     todo = [(cheap, s, f, b) for cheap, s in starts for f, b in vpp_exact.shapes(tasks, s)]
@@ -260,7 +270,9 @@ def _solve_shapes(S: Search, c: Candidate, found: list[Candidate], best: float, 
     if _shapes_cost(len(todo), rows) > S.budget.left(share):
         return best
     S.budget.spend(len(todo) * Budget.shape_path(rows))
-    queue = sorted((max(cheap, vpp_exact.path_bound(tasks, s, f, b)), s, f, b) for cheap, s, f, b in todo)
+    arcs = {(s, f, b): vpp_exact.shape_arcs(tasks, s, f, b) for _, s, f, b in todo}
+    queue = sorted((max(cheap, vpp_exact.path_bound(tasks, s, f, b, arcs[s, f, b])), s, f, b)
+                   for cheap, s, f, b in todo)
     # what every plan needs at least (ticks): the starts left out, the shapes solved, the first one not solved
     lowest = min([float(v) * tasks.ticks_per_s for s, v in zip(fits, per) if v * tasks.ticks_per_s >= target] + [math.inf])
     solved, done, runners_up = 0, True, []
@@ -269,7 +281,7 @@ def _solve_shapes(S: Search, c: Candidate, found: list[Candidate], best: float, 
         if key >= target or left <= 0:      # this shape and every later one need at least ``key``
             lowest, done = min(lowest, key), key >= target
             break
-        r = vpp_exact.shape_bound(tasks, s, f, b, target, min(SHAPE_LIMIT, left), lp=False)
+        r = vpp_exact.shape_bound(tasks, s, f, b, target, min(SHAPE_LIMIT, left), lp=False, arcs=arcs[s, f, b])
         S.budget.spend(Budget.shape(r.size, r.deterministic_time))
         solved += 1
         lowest = min(lowest, max(key, r.bound))
@@ -308,10 +320,7 @@ def cp_sat(S: Search, found: list[Candidate]) -> None:
     value go in the order the configurations were found (bound order, the hint's first): by name,
     tests/planner_cases.py's stash_friendly (D=8 on one GPU) put four tied u_bwd=8 configurations
     the DP proves before u=8/8, whose stash variant CP-SAT finds (2.4736 s instead of 2.4219 s)."""
-    best = {}
-    for c in sorted(found, key=lambda c: c.value):      # stable: ties in the order found
-        best.setdefault(c.cfg, c)          # one solve per configuration, from its best solution
-    for c in list(best.values())[:4]:
+    for c in list(_best_of_each(found).values())[:4]:     # one solve per configuration, from its best
         left = S.budget.left(0.85 - S.timeline_share)
         if left <= 0.1:
             return
