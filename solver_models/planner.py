@@ -58,7 +58,7 @@ from .tasks import Config, build_tasks, candidate_cuts
 from .timing import evaluate, pack_starts, sequence_of_plan
 from .steps.first import first_solutions, harmony_hint
 from .steps.improve import cp_sat, exact_shapes, local_search, tighten
-from .steps.select import handoff_chains, judge_candidates, polish, sweep_starts, with_handoff
+from .steps.select import even_runner_up, handoff_chains, judge_candidates, polish, sweep_starts, with_handoff
 from .steps.order import timeline_of, transfer_order
 
 
@@ -294,11 +294,12 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
         local_search(S, found)                                                           # 3
         cp_sat(S, found)
         exact_shapes(S, found)
-        best_plan, best_t, best_c = judge_candidates(S, found, incumbent)                # 4
+        best_plan, best_t, best_c, judged = judge_candidates(S, found, incumbent)        # 4
         if best_c is not None and best_c.cfg.ranks == 1 and S.handoff(best_c.cfg):
             best_plan, best_t = handoff_chains(S, best_c, best_plan, best_t)   # 4b
         if best_c is not None and best_c.cfg.ranks > 1:
-            best_plan, best_t = sweep_starts(S, best_c, best_plan, best_t, found)        # 5
+            also = even_runner_up(best_c, judged, best_t, even)
+            best_plan, best_t, best_c = sweep_starts(S, best_c, best_plan, best_t, found, also)   # 5
         if best_c is not None:
             best_plan, best_t = polish(S, best_c, best_plan, best_t, found)               # 5
             if best_c.handoff:

@@ -497,3 +497,45 @@ def test_the_default_local_search_takes_what_the_search_of_dividing_sizes_takes(
     assert len(even) == 4 and all(64 % c.u_fwd == 0 == 64 % c.u_bwd for c, _ in even)
     assert set(even) <= set(default)
     assert any(64 % c.u_fwd or 64 % c.u_bwd for c, _ in default)      # and its own
+
+
+def test_step_five_also_sweeps_the_candidate_even_would_sweep(monkeypatch):
+    """Where the winner's microbatch sizes do not divide the minibatch, --even would have swept the
+    criterion starts of its own best candidate with the same budget: the default sweeps that one too,
+    start by start in turn with the winner's, and takes its plan where it simulates faster (gpt2_xl
+    D=64 vPP x4: u=4/4, judged 0.7 % behind u=3/2, sweeps to 40.01 s, u=3/2 to 40.13 s)."""
+    import dataclasses
+    from harmony_opt.solver_models import budget, state
+    from harmony_opt.solver_models.options import configurations
+    from harmony_opt.solver_models.steps import select
+    prof, hw = load_profile("gpt2_xl"), get_hardware("1080ti-x4")
+    opts = PlannerOptions(mode="vPP", gpus=4)
+    even = set(configurations(prof, hw, 64, dataclasses.replace(opts, uneven=False)))
+
+    def cand(uf, ub, value):
+        return state.Candidate(Config("vPP", 4, uf, ub), None, [uf, ub], value, 38.0, 0.0, "search")
+    win, u52, u44, u88 = cand(3, 2, 40.08), cand(5, 2, 40.25), cand(4, 4, 40.42), cand(8, 8, 40.5)
+    judged = [(win, 40.16), (u52, 40.27), (u88, 41.5), (u44, 40.45)]
+    assert select.even_runner_up(win, judged, 40.16, even) is u44
+    assert select.even_runner_up(u44, judged, 40.45, even) is None     # an even winner: --even sweeps the same
+    assert select.even_runner_up(win, judged[:3], 40.16, even) is None  # u=8/8 is 3 % behind
+
+    S = state.Search(prof, hw, 64, int(9e9), opts, budget.Budget(10.0), lambda s: None, {})
+    swept = []
+
+    def starts_around(tasks, seq, steps, seed, around):     # per candidate: (start, model value, sequence)
+        for s, value in {(3, 2): ((46, 40.11), (44, 40.2)), (4, 4): ((49, 40.0), (47, 40.3))}[tuple(seq)]:
+            swept.append((tuple(seq), s))
+            yield s, value, [s], 10, 2
+    simulated = {(3, 2, 46): 40.13, (3, 2, 44): 40.4, (4, 4, 49): 40.01, (4, 4, 47): 40.5}
+    monkeypatch.setattr(select.search, "starts_around", starts_around)
+    monkeypatch.setattr(select, "_polish_reserve", lambda *a: 0.0)
+    monkeypatch.setattr(S, "plan_of", lambda c, seq: (c.cfg.u_fwd, c.cfg.u_bwd, seq[0]))
+    monkeypatch.setattr(S, "judge", lambda p: simulated[p])
+    plan_, t, c = select.sweep_starts(S, win, "judged", 40.16, [win, u44], also=u44)
+    assert (plan_, t, c) == ((4, 4, 49), 40.01, u44)
+    assert c.seq == [49] and c.value == 40.0 and win.seq == [46]
+    assert swept == [((3, 2), 46), ((4, 4), 49), ((3, 2), 44), ((4, 4), 47)]   # in turn
+    # without it, the winner's own sweep
+    win.seq, u44.seq = [3, 2], [4, 4]
+    assert select.sweep_starts(S, win, "judged", 40.16, [win], also=None)[1:] == (40.13, win)
