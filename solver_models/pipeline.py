@@ -129,12 +129,28 @@ def build(tasks: Tasks, lay: Layout):
     E = [m.new_int_var(0, horizon, f"E_{j}") for j in range(J)]
     FREE = [m.new_int_var(0, horizon, f"FREE_{j}") for j in range(J)]
     T = m.new_int_var(0, horizon, "T")
+    crit_at = {}                # position -> "the criterion pack is here" (where it can be)
+    for j in range(J):
+        here = [x[j, int(k)] for k in lay.rows[j] if t.kind[k] == C]
+        if here:
+            crit_at[j] = m.new_bool_var(f"criterion_at_{j}")
+            m.add(crit_at[j] == sum(here))
+    if tasks.pen_chain:         # the last microbatch but one (timing.py): L_j ends it
+        PP = [at(j, d["p_pen"]) for j in range(J)]
+        L = [m.new_int_var(0, horizon, f"L_{j}") for j in range(J)]
     for j in range(J):
         # S_j >= S_{j-1} + p_first_{j-1} + hop_j;  E_j >= S_j + load_j;  E_j >= E_{j-1} + hop_j + p_last_j
         m.add(S[j] >= (S[j - 1] + P1[j - 1] if j else 0) + HOP[j])
         m.add(E[j] >= S[j] + LOAD[j])
         if j:
             m.add(E[j] >= E[j - 1] + HOP[j] + PL[j])
+        if tasks.pen_chain:
+            m.add(L[j] >= S[j] + LOAD[j] - PL[j])
+            if j:
+                chained = m.add(L[j] >= L[j - 1] + HOP[j] + PP[j])
+                if j in crit_at:        # not across the re-batching into the criterion pack
+                    chained.only_enforce_if(~crit_at[j])
+            m.add(E[j] >= L[j] + PL[j])
         if j >= n:
             q = j - n
             W = m.new_int_var(0, horizon, f"W_{j}")
@@ -160,12 +176,8 @@ def build(tasks: Tasks, lay: Layout):
     # to link_F, shortening T_pipe - E_crit, so an objective can be below what its packs are worth
     # (by at most link_F - E_crit); the planner re-evaluates every solution (timing.evaluate)
     e_crit = m.new_int_var(0, horizon, "E_crit")
-    for j in range(J):
-        here = [x[j, int(k)] for k in lay.rows[j] if t.kind[k] == C]
-        if here:
-            c_j = m.new_bool_var(f"criterion_at_{j}")
-            m.add(c_j == sum(here))
-            m.add(e_crit == E[j]).only_enforce_if(c_j)
+    for j, c_j in crit_at.items():
+        m.add(e_crit == E[j]).only_enforce_if(c_j)
 
     def amount(col, rows):
         return sum(int(col[k]) * v for (j, k), v in x.items() if rows[k] and col[k])

@@ -9,6 +9,7 @@ the loss, B: any other backward pack), one row per per-pack option variant of a 
 The quantities follow the default simulator's rules (harmony_opt/sim/simulator.py, docs/cost_model.md):
 
 * ``p_first`` / ``p_last``: compute of the task's first / last microbatch; ``load``: of all of them;
+  ``p_pen``: of the last but one (timing.py: its chain binds where the last microbatch is smaller);
 * ``hop_in``: latency of one microbatch's input handoff from the previous task (P2P between
   GPUs, through host memory on one GPU or when microbatches are re-batched);
 * ``w_load``: bringing the pack's weights (and the optimizer state for a GPU step) in;
@@ -125,6 +126,7 @@ class TaskTable:
     h2d_n: np.ndarray         # transfers into the GPU (each pays Hardware.h2d_latency_s)
     d2h_n: np.ndarray         # transfers out of the GPU (Hardware.d2h_latency_s)
     issuing: np.ndarray       # s: the host's issuing thread, its compute plus host_instruction_s per event
+    p_pen: np.ndarray         # s: compute of the last microbatch but one (0 with one microbatch; timing.py)
     _index: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self):
@@ -166,6 +168,7 @@ class Tasks:
     latency: tuple[float, float] = (0.0, 0.0)   # seconds per transfer in and out (Hardware.h2d/d2h_latency_s)
     host_bound: bool = False           # the step lasts at least each rank's ``issuing`` (Hardware.host_instruction_s)
     ticks_per_s: int = TICKS_PER_S     # the models' time unit (tick_rate)
+    pen_chain: bool = False            # vPP with a smaller last microbatch: its last but one's chain binds (timing.py)
     _ticks: dict | None = dataclasses.field(default=None, repr=False)
 
     def ticks(self) -> dict:
@@ -198,13 +201,14 @@ class Tasks:
             d["cap"] = int(self.cap // MEM_UNIT)
             d["host"] = np.ceil(t.host / MEM_UNIT).astype(np.int64)
             d["issuing"] = np.round(t.issuing * rate).astype(np.int64)
+            d["p_pen"] = np.round(t.p_pen * rate).astype(np.int64)
             # rows for timing.evaluate's single gather: times, exact memory (the cap check), mem, wb, link,
             # phase, host, first and last layer, queued traffic out
             d["stacked"] = np.stack([d[f] for f in TIME_COLUMNS] + [np.ceil(t.mem).astype(np.int64), d["mem"], d["wb"],
                                                                     d["link_in"], d["link_out"], d["link_out_fwd"],
                                                                     d["backward"], d["host"],
                                                                     t.start.astype(np.int64), t.end.astype(np.int64),
-                                                                    d["link_out_queued"]])
+                                                                    d["link_out_queued"], d["p_pen"]])
             d["cap_exact"] = int(self.cap)
             self._ticks = d
         return self._ticks
@@ -396,6 +400,9 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     cf, cb = profile.costs("FWD", cfg.u_fwd), profile.costs("BWD", cfg.u_bwd)
     cf_first, cf_last = profile.costs("FWD", uf_list[0]), profile.costs("FWD", uf_list[-1])
     cb_first, cb_last = profile.costs("BWD", ub_list[0]), profile.costs("BWD", ub_list[-1])
+    # the last microbatch but one: where the last is smaller, its chain through the pipeline is the longer
+    cf_pen = profile.costs("FWD", uf_list[-2]) if len(uf_list) > 1 else None
+    cb_pen = profile.costs("BWD", ub_list[-2]) if len(ub_list) > 1 else None
 
     def total(phase, us, fn):
         return sum(fn(profile.costs(phase, u)) for u in us)
@@ -443,7 +450,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         upd=0.0,
         h2d=f_h2d, d2h=f_d2h, d2h_fwd=f_d2h,
         host=np.where(fs == 0, buffers("FWD", 0), 0) + np.where(via_host, buffers("FWD", fe + 1), 0),
-        h2d_n=f_h2d_n, d2h_n=f_d2h_n, issuing=f_issuing))
+        h2d_n=f_h2d_n, d2h_n=f_d2h_n, issuing=f_issuing,
+        p_pen=cf_pen.pack_time(fs, fe) + issue if cf_pen is not None else 0.0))
 
     # ---- backward packs (variants) and the criterion pack
     rebatch = cfg.u_fwd != cfg.u_bwd
@@ -456,6 +464,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         wbb = w + profile.buffer_bytes(s, e)
         issues = backward_instructions(recompute) * issue
         p_first, p_last = cb_first.pack_time(s, e) + issues, cb_last.pack_time(s, e) + issues
+        p_pen = cb_pen.pack_time(s, e) + issues if cb_pen is not None else 0.0
         load = total("BWD", ub_list, lambda c: c.pack_time(s, e)) + mb * issues
         compute = load if recompute else \
             total("BWD", ub_list, lambda c: profile.stashed_backward_time(c.u, s, e)) + mb * issues
@@ -467,6 +476,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
                     return own + c.pack_saved(s, e) / hw.h2d_bandwidth + lat_in + issues
                 return np.maximum(own, c.pack_saved(s, e) / bw_in + lat_in) + issues
             p_first, p_last = step(cb_first), step(cb_last)
+            p_pen = step(cb_pen) if cb_pen is not None else 0.0
             # the forward packs run its layers on the stash path, keeping their graphs
             load = total("BWD", ub_list, step) + stash_extra[e + 1] - stash_extra[s]
             hop_extra = cb_first.pack_saved(s, e) / bw_in + lat_in
@@ -531,7 +541,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
             w_load, tail = 0.0, 0.0
         return _table(kind, s, e, recompute, gpu_opt, p_first=p_first, p_last=p_last, load=load, hop_in=hop,
                       w_load=w_load, mem=mem + (k_opt if gpu_opt else 0), wb=wbb, tail=tail, upd=upd, h2d=h2d, d2h=d2h,
-                      d2h_fwd=stash_out, host=host, h2d_n=h2d_n, d2h_n=d2h_n, issuing=issuing)
+                      d2h_fwd=stash_out, host=host, h2d_n=h2d_n, d2h_n=d2h_n, issuing=issuing, p_pen=p_pen)
 
     stash_ok = stash and R <= MAX_LAYERS_WITH_STASH
     # packs whose every layer may stash (stashable_layers): a prefix count of those that may not
@@ -561,7 +571,8 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
     return Tasks(cfg, table, R, int(cap), link_capacity(hw, n),
                  n if cfg.mode == "vDP" and n > 1 and hw.shared_host_link else 1,
                  saved, cuts, host_budget(profile, hw, batch), per_start, (lat_in, lat_out), per_event > 0,
-                 tick_rate(profile, batch))
+                 tick_rate(profile, batch),
+                 cfg.ranks > 1 and any(len(u) > 1 and u[-1] < u[-2] for u in (uf_list, ub_list)))
 
 
 def host_budget(profile: Profile, hw: Hardware, batch: int) -> int | None:

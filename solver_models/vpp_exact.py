@@ -149,6 +149,7 @@ def shape_model(tasks: Tasks, s: int, f: int, b: int, below: int | None = None, 
     S = [new_int(0, top, f"S{j}") for j in range(P)]
     E = [new_int(0, top, f"E{j}") for j in range(P)]
     end = new_int(0, top, "T_pipe")
+    L = [new_int(0, top, f"L{j}") for j in range(P)] if tasks.pen_chain else None
     for j in range(P):
         hop, wl, load = col(j, "hop_in"), col(j, "w_load"), col(j, "load")
         if j == 0:
@@ -163,6 +164,11 @@ def shape_model(tasks: Tasks, s: int, f: int, b: int, below: int | None = None, 
         m.add(E[j] >= S[j] + load)
         if j:
             m.add(E[j] >= E[j - 1] + hop + col(j, "p_last"))
+        if L is not None:       # the last microbatch but one (timing.py), not across the re-batching at f
+            m.add(L[j] >= S[j] + load - col(j, "p_last"))
+            if j and j != f:
+                m.add(L[j] >= L[j - 1] + hop + col(j, "p_pen"))
+            m.add(E[j] >= L[j] + col(j, "p_last"))
         m.add(end >= E[j] + col(j, "tail") + col(j, "upd"))
 
     def amount(c, mask):

@@ -207,7 +207,7 @@ SHAPE_LIMIT = 0.5
 #: the nearest the best), and the one it started from
 RUNNERS_UP = 3
 #: The share of a configuration's shapes exact_shapes expects to solve by CP-SAT, the others left
-#: below their path bound (a 12-layer Llama: 120 of 261 at the optimum), when it weighs whether
+#: below their path bound (a 12-layer Llama: 121 of 317 at the optimum), when it weighs whether
 #: the configuration is affordable
 SHAPES_SOLVED = 0.5
 
@@ -218,8 +218,9 @@ def exact_shapes(S: Search, found: list[Candidate]) -> None:
     solved by CP-SAT below the best model value found. With the shape fixed every task's GPU is known,
     which neither the position model (its LP relaxation mixes chains of different lengths) nor the
     local search (a move deals every later task to another GPU) has: on a CPU-measured 12-layer
-    Llama (vPP x4 u=3/3, D=16, 60 MB) both stopped at 0.3005 s, while the shapes hold a plan of eight
-    forward and eight backward packs at 0.2404 s (the plan simulated 0.244 s against 0.296 s).
+    Llama (vPP x4 u=3/3, D=16, 60 MB) the local search stops at 0.3211 s, while the shapes hold a plan
+    of nine forward packs, the loss pack and eight backward packs at 0.2412 s (the plan simulated
+    0.2392 s against 0.2952 s).
 
     The shapes go in the order of a cheap bound each (the larger of its start's vpp_bound and
     ``vpp_exact.path_bound``), so that good plans come early and lower the target, and the shapes
