@@ -80,6 +80,27 @@ def test_cpu_update_time():
     assert cpu_update_time([nn.Parameter(torch.zeros(1000))], "sgd", repeats=1) > 0
 
 
+def test_a_call_timed_in_a_busy_spell_leaves_no_layer_with_parameters_free(monkeypatch):
+    """The fixed cost of a step call is timed beside every layer and the fastest is taken off: one timing
+    made while the machine was busy (here the first, 1 s) must not leave a small layer's update at 0."""
+    from harmony_opt.measure import profiler
+
+    real, seen = profiler.cpu_call_time, []
+
+    def busy_first(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return 1.0 if len(seen) == 1 else seen[-1]
+
+    monkeypatch.setattr(profiler, "cpu_call_time", busy_first)
+    model = build_model("gpt2-tiny")
+    prof = profile_model(model, [1], "cpu", **FAST)
+    layers = prof.layers.set_index("layer")
+    assert len(seen) == model.num_layers
+    assert prof.meta["cpu_update_call_s"] == min(seen[1:])
+    for l, layer in enumerate(model.layers):
+        assert (layers.loc[l, "cpu_update_s"] > 0) == any(p.requires_grad for p in layer.parameters())
+
+
 class _OutOfMemoryAt(nn.Module):
     """Raises CUDA's out-of-memory error at batch sizes >= ``limit``, as a too-large layer would."""
 

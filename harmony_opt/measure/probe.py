@@ -31,8 +31,8 @@ predicts a run before any calibration:
   byte x bytes, with Adam (the profiler's default: the figure kept) and SGD with momentum 0.9 (in
   the description; on 2 CPU cores SGD's call costs about 0.7 x Adam's, its tensors and bytes half).
   The profiler's ``cpu_update_s`` of a layer is the same host step over the layer's parameters
-  less the step over one one-element parameter (the fixed cost of a call, measured once per
-  profile: :func:`harmony_opt.measure.profiler.cpu_call_time`), so that with
+  less the step over one one-element parameter (the fixed cost of a call, the fastest timed over
+  the profile: :func:`harmony_opt.measure.profiler.cpu_call_time`), so that with
   ``cpu_optimizer_call_s`` = the fitted step over one one-element parameter (per call + one
   tensor)::
 

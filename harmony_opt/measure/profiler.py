@@ -30,11 +30,13 @@ one layer at a time is moved to the GPU and back). Per layer and size it records
   momentum 1 x), exact; how many tensors each is in (``param_tensors``,
   ``buffer_tensors``, ``optimizer_state_tensors``), from which a plan for a GPU charges
   the allocator's rounding (``Profile.alloc_granularity``); and ``cpu_update_s``: the
-  executor's ``torch.optim`` step of the layer's parameters on the CPU (``PackOptimizers.step_host``), where Harmony runs the optimizer,
-  less the fixed cost of a step call (:func:`cpu_call_time`, measured once,
-  ``meta["cpu_update_call_s"]``). The executor makes one step call per pack, not per layer,
-  so a pack's step is that call's cost (``Hardware.cpu_optimizer_call_s``, from
-  ``harmony-opt probe``) plus its layers' ``cpu_update_s``; with the call in every layer's
+  executor's ``torch.optim`` step of the layer's parameters on the CPU
+  (``PackOptimizers.step_host``), where Harmony runs the optimizer, less the fixed cost of a
+  step call (:func:`cpu_call_time`, timed beside every layer; the fastest of all,
+  ``meta["cpu_update_call_s"]``, is taken off once every layer is done, so that a busy spell
+  while the call is timed cannot leave a layer with parameters at 0). The executor makes one
+  step call per pack, not per layer, so a pack's step is that call's cost
+  (``Hardware.cpu_optimizer_call_s``, from ``harmony-opt probe``) plus its layers' ``cpu_update_s``; with the call in every layer's
   figure a pack of GPT-2 blocks on a 2-core CPU would be charged 0.13-0.2 ms per layer too
   much, against 0.2-0.3 ms of real work.
 
@@ -134,9 +136,8 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
     threads = threads or host_threads(1, dev.type, torch.get_num_threads())   # as the executor's one rank runs
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with intra_op_threads(threads):
-        call = cpu_call_time(optimizer, max(timing["repeats"], 5))
-        layers, micro, signatures, skipped, remeasured, target = _profile_layers(
-            model, sizes, dev, optimizer, timing, threads, remeasure, progress, seed, call, precision)
+        layers, micro, signatures, skipped, remeasured, target, call = _profile_layers(
+            model, sizes, dev, optimizer, timing, threads, remeasure, progress, seed, precision)
     meta = _meta(model, dev, optimizer, timing, skipped, threads, target)
     if precision != "fp32":
         meta["precision"] = precision
@@ -152,15 +153,15 @@ def profile_model(model: LayeredModel, microbatches: list[int], device: str = "c
 
 
 def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, optimizer: str, timing: dict,
-                    threads: int, remeasure: bool, progress: bool, seed: int, call: float = 0.0,
-                    precision: str = "fp32"):
-    """The two tables, the layers' signatures, the sizes skipped, the [layer, size] measured twice and the
-    targets' bytes per sample."""
+                    threads: int, remeasure: bool, progress: bool, seed: int, precision: str = "fp32"):
+    """The two tables, the layers' signatures, the sizes skipped, the [layer, size] measured twice, the
+    targets' bytes per sample and the fixed cost of a step call taken off the layers' steps."""
     gen = torch.Generator().manual_seed(seed)
     batches = {u: model.batch(u, gen) for u in sizes}
     acts = {u: x for u, (x, _) in batches.items()}
     skipped: list[str] = []
     static_rows, rows, signatures = [], [], []
+    call = float("inf")
     kept_inputs: dict[tuple[str, int], torch.Tensor] = {}   # the first input of each signature, per size
     R = model.num_layers
 
@@ -171,7 +172,8 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
         for l, layer in enumerate(model.layers):
             bar.set_description_str(f"profiling layer {l + 1} of {R}")
             log.debug("profiling layer %d of %d", l + 1, R)
-            static_rows.append(_static_row(l, layer, optimizer, timing, threads, call))
+            static_rows.append(_static_row(l, layer, optimizer, timing, threads))
+            call = min(call, cpu_call_time(optimizer, max(timing["repeats"], 5)))
             signatures.append(layer_signature(layer, acts[sizes[0]]))
             with _moved_to(layer, dev) as base:
                 for u in list(sizes):
@@ -206,6 +208,9 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
                     acts[u] = out
             bar.update(1)
     layers = pd.DataFrame(static_rows)
+    # a layer's whole step less the call, the fastest seen over the run (a call timed in a busy spell
+    # only would otherwise leave a small layer's real work at 0)
+    layers["cpu_update_s"] = (layers["cpu_update_s"] - call).clip(lower=0.0)
     micro = pd.DataFrame(rows).sort_values(["phase", "microbatch", "layer"], ascending=[False, True, True])
     micro = micro.reset_index(drop=True)
     again: list[list[int]] = []
@@ -221,7 +226,7 @@ def _profile_layers(model: LayeredModel, sizes: list[int], dev: torch.device, op
                 at = (micro.phase == phase) & (micro.microbatch == u) & (micro.layer == l)
                 micro.loc[at, "gpu_time_s"] = micro.loc[at, "gpu_time_s"].clip(upper=t)   # the lower median
             again.append([l, u])
-    return layers, micro, signatures, skipped, again, _target_bytes(batches)
+    return layers, micro, signatures, skipped, again, _target_bytes(batches), call
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -546,15 +551,14 @@ def _device_of(layer: nn.Module) -> torch.device:
 
 # -- per-layer (size-independent) quantities ---------------------------------------------------
 
-def _static_row(l: int, layer: nn.Module, optimizer: str, timing: dict, threads: int | None = None,
-                call: float = 0.0) -> dict:
-    """The layer's sizes, and its optimizer step less ``call``, the fixed cost of a step call (charged once
-    per pack through ``Hardware.cpu_optimizer_call_s``)."""
+def _static_row(l: int, layer: nn.Module, optimizer: str, timing: dict, threads: int | None = None) -> dict:
+    """The layer's sizes, and its whole optimizer step (the caller takes off the fixed cost of a step
+    call, charged once per pack through ``Hardware.cpu_optimizer_call_s``)."""
     trainable = [p for p in layer.parameters() if p.requires_grad]
     step = cpu_update_time(trainable, optimizer, timing["repeats"], threads, max_repeats=timing["max_repeats"])
     return {"layer": l, "param_bytes": _param_bytes(layer), "buffer_bytes": _buffer_bytes(layer),
             "optimizer_state_bytes": OPTIMIZER_STATE_FACTOR[optimizer] * sum(tensor_bytes(p) for p in trainable),
-            "cpu_update_s": max(step - call, 0.0) if trainable else 0.0,
+            "cpu_update_s": step if trainable else 0.0,
             # how many tensors those bytes are in: what a rounding allocator's padding is counted from
             "param_tensors": len(list(layer.parameters())), "buffer_tensors": len(list(layer.buffers())),
             "optimizer_state_tensors": OPTIMIZER_STATE_FACTOR[optimizer] * len(trainable)}
