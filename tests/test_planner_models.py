@@ -274,18 +274,23 @@ def test_partitioned_packs_are_no_larger_than_balanced_ones():
         assert v < evaluate(tasks, bal)
 
 
-@pytest.mark.parametrize("name,batch,mode,gpus,cap", [
-    ("gpt2_medium", 64, "vPP", 4, 10 * 2**30), ("gpt2_xl", 32, "vDP", 2, 10 * 2**30),
-    ("bert_large", 32, "vPP", 2, 10 * 2**30)])
-def test_model_agrees_with_the_simulator_on_harmony_plans(name, batch, mode, gpus, cap):
+@pytest.mark.parametrize("name,batch,mode,gpus,cap,overlap,tol", [
+    ("gpt2_medium", 64, "vPP", 4, 10 * 2**30, True, 0.03), ("gpt2_xl", 32, "vDP", 2, 10 * 2**30, True, 0.03),
+    ("bert_large", 32, "vPP", 2, 10 * 2**30, True, 0.03),
+    # one engine per rank (the CPU device), which runs a rank's program in order: a microbatch's output
+    # leaves before the next microbatch computes (the simulator granting the engine first come, first
+    # served held it behind: 13.357 s against the model's 12.639 s)
+    ("gpt2_medium", 64, "vPP", 4, 10 * 2**30, False, 0.01)])
+def test_model_agrees_with_the_simulator_on_harmony_plans(name, batch, mode, gpus, cap, overlap, tol):
     """The planner's model of the simulator (timing.py) on plans it did not choose: within 3 %."""
+    import dataclasses
     prof = load_profile(name)
-    hw = get_hardware("1080ti-x4").with_gpus(gpus)
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(gpus), copy_overlap=overlap)
     hp = plan_harmony(prof, hw, batch, cap, mode=mode, gpus=gpus)
     tasks = build_tasks(prof, hw, batch, Config(mode, gpus, hp.microbatch_fwd, hp.microbatch_bwd), cap)
     seq = sequence_of(tasks, hp.packs_fwd, hp.packs_bwd, [(True, False)] * len(hp.packs_bwd))
     model = evaluate(tasks, seq)
-    assert abs(model - hp.simulated_iteration_time_s) <= 0.03 * hp.simulated_iteration_time_s
+    assert abs(model - hp.simulated_iteration_time_s) <= tol * hp.simulated_iteration_time_s
     assert packs_of(tasks, seq)[:2] == ([tuple(p) for p in hp.packs_fwd], [tuple(p) for p in hp.packs_bwd])
 
 

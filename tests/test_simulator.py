@@ -446,6 +446,24 @@ def test_without_copy_overlap_a_rank_runs_one_event_at_a_time(case):
     check_against_graph(sim, task_graph(plan, prof, serial))
 
 
+def test_without_copy_overlap_a_rank_runs_its_events_in_task_order():
+    """On one engine per rank (the CPU device, whose executor runs a rank's program in order) a
+    microbatch's output leaves before the next microbatch of the same pack computes, so the next GPU of
+    a pipeline starts on it at once; granted first come, first served, the engine ran the next
+    microbatch first (its input had been ready longer) and held every send behind it."""
+    prof = synthetic_profile(R=6)
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(2), copy_overlap=False)
+    plan = Plan("t", "vPP", 2, 8, 2, 2, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    ev = simulate(plan, prof, hw).events
+    sends = ev[(ev.stream == "p2p") & ev.kind.isin(["Y", "dX"])]
+    assert len(sends) == 4 * 4        # Y of two forward packs, dX of two backward packs, 4 microbatches each
+    compute = ev[ev.stream == "compute"].set_index(["rank", "pack", "kind", "microbatch"])
+    for s in sends.itertuples():
+        nxt = (s.rank, s.pack, "FWD" if s.kind == "Y" else "BWD", s.microbatch + 1)
+        if nxt in compute.index:
+            assert compute.loc[nxt, "start"] >= s.end - 1e-12, s
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(plans(), st.fixed_dictionaries({
     "copy_overlap": st.booleans(), "h2d_latency_s": st.sampled_from([0.0, 1e-4]), "d2h_latency_s": st.sampled_from([0.0, 1e-4]),

@@ -22,7 +22,8 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
   its profiled time plus ``issue_overhead_s`` per instruction the executor issues for it, a swap-in,
   swap-out or GPU-to-GPU send its latency plus bytes / bandwidth, a CPU step its profiled time plus
   ``cpu_optimizer_call_s``; without ``copy_overlap`` (the CPU device) a rank's compute, swap and
-  P2P events run one at a time (one "engine" per rank), its CPU optimizer steps beside them;
+  P2P events run one at a time (one "engine" per rank), the ready one first in the task order
+  first (the executor runs the rank's program in order), its CPU optimizer steps beside them;
   with ``host_instruction_s`` (a GPU's, as ``calibrate`` fits it from the host's issue times) the
   step lasts at least what the rank's issuing thread spends (:func:`host_floor`);
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
@@ -512,7 +513,9 @@ class Expansion:
         The scan is replayed exactly but visits only the streams whose head is ready (kept with
         counters of dependencies not ended or not started): a head made ready by a start in this pass
         is visited later in the pass if it comes after in the scan order, else in the next pass, as
-        the dispatcher's repeated scans would."""
+        the dispatcher's repeated scans would. Without ``copy_overlap`` the scan goes in the order of
+        the heads' events (each rank's task order) instead: the CPU executor runs a rank's program in
+        order, so a microbatch's send is not held behind the next microbatch's compute."""
         ev = self.events
         # collectives: every replica's all-reduce starts together (ring all-reduce is a barrier)
         for group in self.collectives.values():
@@ -569,7 +572,9 @@ class Expansion:
                 on_start[d].append(i)
             wait[i] = len(e.deps) + len(e.start_deps)
         ready = {si for si, q in enumerate(queues) if q and wait[q[0]] == 0}   # idle, head ready
-        since = [0.0] * len(keys)       # when each stream's head became ready: the scan's key
+        # the scan's key: when each stream's head became ready; on one engine per rank (serial), the head's
+        # place in the task order instead, as the CPU executor runs its program in order
+        since = [float(q[0]) if serial and q else 0.0 for q in queues]
 
         def wake(waiters: list[int]) -> list[int]:
             """Count down the waiters' dependencies; the idle streams whose head is now ready."""
@@ -580,7 +585,7 @@ class Expansion:
                     sw = stream_of[w]
                     if not busy[sw] and queues[sw][pos[sw]] == w:
                         ready.add(sw)
-                        since[sw] = t
+                        since[sw] = float(w) if serial else t
                         woken.append(sw)
             return woken
         finishing: list[tuple[float, int, int]] = []
@@ -634,8 +639,8 @@ class Expansion:
                 if on_start[eid]:
                     cur = (since[si], si)
                     for sw in wake(on_start[eid]):
-                        if (t, sw) > cur:
-                            heappush(late, (t, sw))
+                        if (since[sw], sw) > cur:
+                            heappush(late, (since[sw], sw))
                         else:
                             later.append(sw)
             if not finishing:
@@ -666,7 +671,7 @@ class Expansion:
                     wake(on_end[f])
                 if pos[si] < qlen[si] and not wait[queues[si][pos[si]]]:
                     ready.add(si)
-                    since[si] = t
+                    since[si] = float(queues[si][pos[si]]) if serial else t
         iteration = played = max(e.end for e in ev)
         if self.hw.host_instruction_s:
             iteration = max(iteration, host_floor(ev, self.hw.host_instruction_s))
