@@ -24,9 +24,9 @@ not across the re-batching into the criterion pack, position c)::
 
 (gpt2_medium D=64 vPP x4 u=5/3, 21 microbatches of 3 and one of 1: without it a plan was rated
 10.57 s that the simulator plays in 11.14 s, its backward packs handing on the microbatches of 3
-one after another after the criterion pack). ``pipeline.py`` encodes this for vPP. When one GPU runs the whole chain
-(vDP, or N = 1) the time is a sum over consecutive pairs (``chain_gap``), which ``chain.py``
-and the DP (dp.py) encode. Then the shared host link: the forward phase (through the end of
+one after another after the criterion pack). ``pipeline.py`` encodes this for vPP. When one GPU
+runs the whole chain (vDP, or N = 1) the time is a sum over consecutive pairs (``chain_gap``),
+which ``chain.py`` and the DP (dp.py) encode. Then the shared host link: the forward phase (through the end of
 the criterion pack) and the backward phase each last at least as long as their own traffic
 takes on it (all replicas' in vDP, which meet at every backward pack's all-reduce, so the
 slowest sets the pace): ``T = max(T_F, link_F) + max(T_B, link_B)``. A phase's traffic cannot

@@ -36,9 +36,9 @@ one layer at a time is moved to the GPU and back). Per layer and size it records
   ``meta["cpu_update_call_s"]``, is taken off once every layer is done, so that a busy spell
   while the call is timed cannot leave a layer with parameters at 0). The executor makes one
   step call per pack, not per layer, so a pack's step is that call's cost
-  (``Hardware.cpu_optimizer_call_s``, from ``harmony-opt probe``) plus its layers' ``cpu_update_s``; with the call in every layer's
-  figure a pack of GPT-2 blocks on a 2-core CPU would be charged 0.13-0.2 ms per layer too
-  much, against 0.2-0.3 ms of real work.
+  (``Hardware.cpu_optimizer_call_s``, from ``harmony-opt probe``) plus its layers'
+  ``cpu_update_s``; with the call in every layer's figure a pack of GPT-2 blocks on a 2-core
+  CPU would be charged 0.13-0.2 ms per layer too much, against 0.2-0.3 ms of real work.
 
 Everything runs with ``threads`` intra-op threads (default: what the executor's one rank
 uses on this device, ``runtime.optim.host_threads``), recorded as ``meta["threads"]``: on

@@ -41,8 +41,9 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
 Fidelity limits: kernel times are the profile's per-layer times summed over a pack
 (no fusion across layers); a transfer runs at full per-direction bandwidth or waits
 (no fractional sharing); a recomputing backward waits for its output gradient before its
-recompute, which the executor runs before it (docs/cost_model.md); the input double-buffer of the next microbatch is not
-counted in memory (the per-layer peaks already include one input and one output).
+recompute, which the executor runs before it (docs/cost_model.md); the input double-buffer of
+the next microbatch is not counted in memory (the per-layer peaks already include one input and
+one output).
 """
 from __future__ import annotations
 
