@@ -140,8 +140,13 @@ def test_a_pack_step_is_one_call_plus_its_layers_net_steps():
     # in 5 runs on a 2-core VM). The whole steps and the pack's are timed apart, and the machine's drift
     # between them once left 24 % showing in a CI run: the best of three measures is judged.
     tries = [measure() for _ in range(3)]
+    # a call timed in a busy spell can read above a small layer's whole step timed in a quiet one (57 us
+    # against 53 us in a CI run): the fastest of each over the three measures is compared, as the
+    # profiler takes the fastest call seen over its run
+    fastest_call = min(t[0] for t in tries)
+    fastest_whole = [min(ws) for ws in zip(*(t[1] for t in tries))]
+    assert 0 < fastest_call < min(fastest_whole), tries
     call, whole, pack = max(tries, key=lambda t: (sum(t[1]) - t[2]) / t[0])
-    assert 0 < call < min(whole), (call, whole)
     assert sum(whole) - pack > 0.25 * (len(layers) - 1) * call, tries
     assert call + sum(w - call for w in whole) == pytest.approx(pack, rel=0.5), (call, whole, pack)
     assert torch.isfinite(layers[0].w[0]).all()
