@@ -403,7 +403,8 @@ def fit_hardware(measured: Timeline | Sequence[Timeline], simulated: Timeline, h
         notes.append(f"{gap * 1e6:.0f} us between consecutive instructions (the executor's own work and its "
                      f"untimed frees; the median gap) is added to every instruction's fixed cost: "
                      f"{', '.join(GAP_FIELDS[:-1])} and {GAP_FIELDS[-1]}")
-    issues = _issues(plan)
+    ev = simulated.events
+    issues = _issues(plan, set(ev.loc[(ev["stream"] == "compute") & (ev["kind"] == "REC"), "pack"].astype(str)))
     for name, (works, slope_field, fixed_field) in TERMS.items():
         keys = [k for k in sim if k[1] in works and k in got]
         bytes_x = name in BYTE_TERMS
@@ -455,15 +456,16 @@ def _prior(hw: Hardware, fixed_field: str | None) -> float:
     return max(v - hw.instruction_gap_s, 0.0) if fixed_field in GAP_FIELDS else v
 
 
-def _issues(plan) -> dict[tuple[str, str], int]:
+def _issues(plan, split: set[str] = frozenset()) -> dict[tuple[str, str], int]:
     """(work, pack) -> instructions the executor issues per simulated compute event, as the simulator
-    charges ``issue_overhead_s``: a recomputing backward pack's recompute and backward, 2; a forward
+    charges ``issue_overhead_s``: a recomputing backward pack's recompute and backward, 2 (1 each
+    where the simulator gives its recompute an event of its own: the packs ``split``); a forward
     pack's pieces (``forward_instructions``)."""
     if plan is None:
         return {}
     pieces = forward_instructions(plan.packs_fwd, plan.packs_bwd)
-    return {**{("backward", f"{a}-{b}"): backward_instructions(o.recompute) for (a, b), o in
-               zip(plan.packs_bwd, plan.options)},
+    return {**{("backward", f"{a}-{b}"): 1 if f"{a}-{b}" in split else backward_instructions(o.recompute)
+               for (a, b), o in zip(plan.packs_bwd, plan.options)},
             **{("forward", f"{a}-{b}"): n for (a, b), n in pieces.items()}}
 
 

@@ -96,6 +96,7 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
     if n > 1:
         fwd_hops, back_hops, back_rests = _pipeline_hops(profile, hw, cfg, uf, ub, cap, fits, timers)
         last = _last_step(profile, hw, bw_out)
+        end_b = max_pack_end(cb, cap)
         # every microbatch of the criterion pack [s, R-1]
         crit = sum(k * profile.costs("BWD", u).pack_time(fits, np.full(len(fits), R - 1))
                    for u, k in collections.Counter(ub).items())
@@ -103,22 +104,25 @@ def config_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: i
         # from the criterion pack's start on (at least the forward's first-microbatch path)
         links = (saved * per_in, [lam * no_rec + (1 - lam) * moved + exposed for lam in (0.0, 0.5, 1.0)], ok) \
             if stash else None
-        from_crit = fwd_first + fwd_hops + _from_criterion(profile, cfg, ub, fits, bwd, links, w_before * per_in,
-                                                          crit, last)
+        from_crit = fwd_first + fwd_hops + _from_criterion(profile, cfg, ub, fits, end_b, bwd, links,
+                                                          w_before * per_in, crit, last)
 
     def serial(k):
         """(the serial paths, the pipeline ends, the few-backward-packs bound) with ``timers[k]``."""
         bt = timers[k]
-        # every microbatch passes every task in turn: the first one alone takes its forward and backward
-        one = bt(ub[0], 0, R - 1) + fwd_first
-        if n == 1:
-            return one, np.zeros(len(fits)), np.full(len(fits), np.inf)
+        if n == 1:      # every microbatch passes every task in turn: the first one its forward and backward
+            return bt(ub[0], 0, R - 1) + fwd_first, np.zeros(len(fits)), np.full(len(fits), np.inf)
+        # in a pipeline a backward pack's recompute runs while its dY is on the way: on the handoffs'
+        # chains each backward pack counts its backward without it (``_chain_timer``); the first
+        # microbatch through the forward, the criterion pack and back, the last pack's other microbatches
+        ct = _chain_timer(profile, bt)
+        one = fwd_first + bt(ub[0], fits, np.full(len(fits), R - 1)) + ct(ub[0], 0, fits - 1)
         # the criterion pack's path: the first microbatch's trip through the forward layers before s,
         # every microbatch of the criterion pack, the last microbatch's trip back (in timing.py's
         # recurrence the S chain up to the criterion task, its load, the E chain after it); a pack's
         # compute is the sum of its layers', so this holds for every packing of the other layers
-        path = fwd_first + crit + bt(ub[-1], 0, fits - 1) + fwd_hops + back_hops
-        one = np.maximum.reduce([one + fwd_hops + back_rests[k], path, after + bt(ub[-1], 0, fits - 1), from_crit])
+        path = fwd_first + crit + ct(ub[-1], 0, fits - 1) + fwd_hops + back_hops
+        one = np.maximum.reduce([one + fwd_hops + back_rests[k], path, after + ct(ub[-1], 0, fits - 1), from_crit])
         return (one, *_pipeline_ends(profile, hw, cfg, uf, ub, cap, fits, bt, last))
     if not stash:
         one, ends, few = serial(0)
@@ -273,22 +277,26 @@ def _after_forward(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     return forward / n + hc[fits] + crit_last + back_hops + last
 
 
-def _from_criterion(profile: Profile, cfg: Config, ub: list[int], fits: np.ndarray, bwd: np.ndarray, links,
-                    weights_in: np.ndarray, crit: np.ndarray, last: float) -> np.ndarray:
+def _from_criterion(profile: Profile, cfg: Config, ub: list[int], fits: np.ndarray, end_b: np.ndarray,
+                    bwd: np.ndarray, links, weights_in: np.ndarray, crit: np.ndarray, last: float) -> np.ndarray:
     """vPP, per criterion start s in ``fits``: at least the time from the criterion pack's start to
     the end. In timing.py's recurrence every backward task starts after the criterion pack's first
-    microbatch, the tasks of one GPU one after another, the criterion pack's GPU runs its backward
-    tasks after it, and the last task's gradients leave and step after its end; so N x (T - S_crit)
-    >= the criterion pack's compute + (N - 1) x its first microbatch + every backward compute +
-    ``_last_step`` (``work``). And the backward phase takes at least its traffic (timing.py) after
-    the criterion pack ends: T - S_crit >= the criterion pack's compute + the weights of the layers
-    before s + the stashed activations coming back (``link``). So T - S_crit >= mu work + (1 - mu)
-    link for every mu in [0, 1], a sum over the layers before s where each takes the cheaper of
-    recompute and stash. ``links``: None without stash variants, else (each layer's stashed
-    activations over the link, the stashed layer's compute at a few mixes (``config_bound``), the
-    layers that have stash variants); ``crit``: the criterion pack's compute, every microbatch."""
+    microbatch less its own first recompute (which runs while dY is on the way), the tasks of one
+    GPU one after another, the criterion pack's GPU runs its backward tasks after it, and the last
+    task's gradients leave and step after its end; so N x (T - S_crit) >= the criterion pack's
+    compute + (N - 1) x its first microbatch + every backward compute + ``_last_step``, less what
+    the other GPUs' first backward packs recompute early (``_hidden_recompute``): ``work``. And the
+    backward phase takes at least its traffic (timing.py) after the criterion pack ends: T - S_crit
+    >= the criterion pack's compute + the weights of the layers before s + the stashed activations
+    coming back (``link``). So T - S_crit >= mu work + (1 - mu) link for every mu in [0, 1], a sum
+    over the layers before s where each takes the cheaper of recompute and stash. ``links``: None
+    without stash variants, else (each layer's stashed activations over the link, the stashed
+    layer's compute at a few mixes (``config_bound``), the layers that have stash variants);
+    ``crit``: the criterion pack's compute, every microbatch; ``end_b``: max_pack_end of the
+    backward."""
     R, n = profile.num_layers, cfg.ranks
-    fixed = crit + (n - 1) * profile.costs("BWD", ub[0]).pack_time(fits, np.full(len(fits), R - 1)) + last
+    fixed = crit + (n - 1) * profile.costs("BWD", ub[0]).pack_time(fits, np.full(len(fits), R - 1)) + last \
+        - _hidden_recompute(profile, ub, end_b, fits, n - 1)
     cum = np.concatenate([[0.0], np.cumsum(bwd)])[fits]
     work = (fixed + cum) / n
     if links is None:
@@ -317,17 +325,19 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     those positions is open, so the least over packings is taken: one layer per pack, each pack
     starting past the one before (a forward pack at position i starts at layer >= i). Where the
     first n positions cannot all be forward packs (fewer forward packs cover [0, s - 1]), the
-    criterion pack and backward packs may sit there. The last n - 1 positions are backward packs
-    unless at most n - 2 tasks do the whole backward, on as many GPUs: for those plans the second
-    array, that backward compute per GPU (inf where no packs that fit are so few). ``last``:
-    ``_last_step``."""
+    criterion pack and backward packs may sit there; a backward pack there starts its first
+    microbatch's recompute before its dY is in, which ``_hidden_recompute`` takes off. The last
+    n - 1 positions are backward packs unless at most n - 2 tasks do the whole backward, on as
+    many GPUs: for those plans the second array, that backward compute per GPU (inf where no packs
+    that fit are so few). ``last``: ``_last_step``."""
     R, n = profile.num_layers, cfg.ranks
     _, bw_in, _, _ = link_rates(hw, cfg)
     hf, _, _ = boundary_hops(profile, hw, cfg, uf, ub)
     layers = np.arange(R)
     f1 = profile.costs("FWD", uf[0]).time
-    b1 = bt(ub[0], layers, layers)
-    bl = bt(ub[-1], layers, layers)
+    ct = _chain_timer(profile, bt)          # a backward pack's microbatch on the handoffs' chains
+    b1 = ct(ub[0], layers, layers)
+    bl = ct(ub[-1], layers, layers)
 
     # heads: positions 0 .. n - 1, a forward pack at i starting at layer a weighs (n-1-i) p_first
     # + (n-i) hop (every later GPU waits for it); S_0 >= its hop and its weights, n times
@@ -344,9 +354,11 @@ def _pipeline_ends(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], u
     b1_min = float(b1[1:].min()) if R > 1 else 0.0
     fewest_f = _fewest_packs(max_pack_end(profile.costs("FWD", cfg.u_fwd), cap))[fits]
     heads = np.full(len(fits), heads_f[n - 1])
+    end_b = max_pack_end(profile.costs("BWD", cfg.u_bwd), cap)
     for k in range(1, n):
         after = sum((n - 1 - i) * b1_min for i in range(k + 1, n))
-        alt = heads_f[k - 1] + (n - 1 - k) * crit_first + after
+        # the GPUs after the criterion pack's recompute their first pack's first microbatch before its dY
+        alt = heads_f[k - 1] + (n - 1 - k) * crit_first + after - _hidden_recompute(profile, ub, end_b, fits, n - 1 - k)
         heads = np.where(fewest_f <= k, np.minimum(heads, alt), heads)
 
     # tails: the backward task at position J-1-m (m < n-1) starts at layer a_m, a_0 = 0 < a_1 < ...
@@ -398,7 +410,8 @@ def pipeline_path_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config,
         return (p.fits, np.zeros(0)) if per_start else math.inf
     layers = np.arange(p.profile.num_layers)
     per = np.max([_paths(p.profile, hw, cfg, p.uf, p.ub, p.end_f, p.end_b, p.fits,
-                         [bt(u, layers, layers) for u in p.ub], p.bw_out, upto, ratio) for bt in p.timers], axis=0)
+                         [bt(u, layers, layers) for u in p.ub], _chain_one(p.profile, p.ub, bt), p.bw_out, upto,
+                         ratio) for bt in p.timers], axis=0)
     return (p.fits, per) if per_start else float(per.min())
 
 
@@ -433,10 +446,11 @@ def _pipeline(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: int,
 
 
 def _paths(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[int], end_f: np.ndarray,
-           end_b: np.ndarray, fits: np.ndarray, times_b: list[np.ndarray], bw_out: float, upto: float,
-           ratio: float) -> np.ndarray:
+           end_b: np.ndarray, fits: np.ndarray, times_b: list[np.ndarray], one_chain: np.ndarray, bw_out: float,
+           upto: float, ratio: float) -> np.ndarray:
     """``pipeline_path_bound`` per criterion start in ``fits``, with each backward microbatch's compute
-    per layer ``times_b`` (at most what any pack's option charges for it); ``end_f``, ``end_b``:
+    per layer ``times_b`` (at most what any pack's option charges for it), and ``one_chain``
+    (``_chain_one``) for one microbatch of a layer below the criterion pack; ``end_f``, ``end_b``:
     max_pack_end per phase."""
     R = profile.num_layers
 
@@ -449,7 +463,10 @@ def _paths(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[
     pre_f, pre_b = (np.concatenate([[0.0], np.cumsum(r)]) for r in (rest_f, rest_b))
     hf, hc, hb = boundary_hops(profile, hw, cfg, uf, ub)
     last = _last_step(profile, hw, bw_out)
-    base = np.concatenate([[0.0], np.cumsum(one_f)])[fits] + one_b.sum() + hc[fits] + last
+    pre_one = np.concatenate([[0.0], np.cumsum(one_b)])
+    pre_chain = np.concatenate([[0.0], np.cumsum(one_chain)])
+    base = np.concatenate([[0.0], np.cumsum(one_f)])[fits] + pre_chain[fits] + pre_one[R] - pre_one[fits] + \
+        hc[fits] + last
     crit = pre_b[R] - pre_b[fits]
     zero = np.zeros(R)
 
@@ -471,12 +488,13 @@ def _paths(profile: Profile, hw: Hardware, cfg: Config, uf: list[int], ub: list[
             break
         prev, L = L, L * ratio
     path = base + best
-    per_gpu = _per_gpu_paths(profile, cfg, uf, end_b, fits, one_b, rest_b, hb, last, upto, path)
+    per_gpu = _per_gpu_paths(profile, cfg, uf, end_b, fits, one_chain, (pre_one[R] - pre_one[fits]), rest_b, hb,
+                             last, upto, path)
     return np.maximum(path, per_gpu)
 
 
 def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarray, fits: np.ndarray,
-                   one: np.ndarray, rest: np.ndarray, hb: np.ndarray, last: float, upto: float,
+                   one: np.ndarray, one_crit: np.ndarray, rest: np.ndarray, hb: np.ndarray, last: float, upto: float,
                    path: np.ndarray, ratio: float = 1.03, most: int = 40) -> np.ndarray:
     """vPP, per criterion start s in ``fits``: a bound on the plans whose backward (the criterion
     pack included) runs in at least N tasks, 0 where fewer can do it. Where a pipeline has more
@@ -490,7 +508,8 @@ def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarr
     p_first_{j-1} + hop_j``) up to a task k, which runs all its microbatches, and the last
     microbatch passes the rest (``E_j >= E_{j-1} + hop_j + p_last_j``), then the last step. So
     ``T >= F_g + sum_{j >= f_g} (one_j + hop_{j+1}) + rest_k + last`` for every k >= f_g (one: a
-    microbatch's compute, the lesser of the first and the last; rest: the other microbatches).
+    microbatch's compute, the lesser of the first and the last, per criterion start ``one_crit`` for
+    the criterion pack's, ``_chain_one`` below it; rest: the other microbatches).
     With N or more backward tasks f_g takes the positions c .. c + N - 1 after the criterion
     pack's c, one per GPU; averaged over the GPUs, sum_g F_g is the forward compute of the layers
     before s, and the task at position c + p counts its one with weight min(p + 1, N) / N, the
@@ -510,7 +529,7 @@ def _per_gpu_paths(profile: Profile, cfg: Config, uf: list[int], end_b: np.ndarr
     pre_one, pre_rest = (np.concatenate([[0.0], np.cumsum(r)]) for r in (one, rest))
     forward = _forward_before(profile, uf, fits)
     crit_rest = (pre_rest[R] - pre_rest[fits]) / n
-    base = forward / n + (pre_one[R] - pre_one[fits]) / n + last
+    base = forward / n + one_crit / n + last
     bounds = np.arange(R + 1)
     hop = np.concatenate([hb, [0.0]])           # per boundary: the handoff into the pack ending below it
 
@@ -614,8 +633,12 @@ def pipeline_gpu_bound(profile: Profile, hw: Hardware, batch: int, cfg: Config, 
     w = np.array([np.full(n, 1.0 / n)] + [[c] + [(1 - c) / (n - 1)] * (n - 1) for c in CRITERION_WEIGHTS])
     last = _last_step(profile, hw, p.bw_out)
     per = np.zeros(len(fits))
+    # the GPUs after the criterion pack wait for its first microbatch, less the head start of their first
+    # pack's recompute (``_hidden_recompute``); a backward pack's last microbatch on the E chain: its backward
+    crit = (crit[0], crit[1] - _hidden_recompute(profile, ub, p.end_b, fits, 1), *crit[2:])
     for bt in p.timers:
-        bwd = (prefix(sum(bt(u, layers, layers) for u in ub)), prefix(bt(ub[-1], layers, layers)), hb)
+        last_b = _chain_timer(profile, bt)(ub[-1], layers, layers)
+        bwd = (prefix(sum(bt(u, layers, layers) for u in ub)), prefix(last_b), hb)
         tasks = (fwd[0][fits] + crit[0] + bwd[0][fits]) / (n - 1)     # fewer than N tasks: N - 1 GPUs at most
         paths = _weighted_paths(n, w, fits, p.end_f, p.end_b, fwd, bwd, crit) + last
         per = np.maximum(per, np.minimum(paths, tasks).max(axis=0))
@@ -781,6 +804,56 @@ def _least_packing(max_end: np.ndarray, at_start: np.ndarray, at_top: np.ndarray
             best = min(best, start[0] + first[c])
         least[c] = best + top[c]
     return np.asarray(least)
+
+
+def _recompute(profile: Profile, u: int) -> np.ndarray:
+    """Per layer, the recompute of a backward microbatch of ``u`` samples: its backward less its
+    stashed backward, at least 0. Summed over a pack's layers it is at least the pack's recompute
+    as the simulator plays it (the backward less ``stashed_backward_time``, which clips the pack's
+    sum, not each layer's, at 0)."""
+    return np.maximum(profile.costs("BWD", u).time - profile.stashed_backward(u), 0.0)
+
+
+def _chain_timer(profile: Profile, bt):
+    """``time(u, a, b)``: at most what a backward microbatch of ``u`` samples adds over packs [a, b]
+    to a vPP pipeline's handoff chains (timing.py's S and E chains). A recomputing pack's
+    microbatch recomputes while its dY is on its way (tasks.py), so it adds its backward without the
+    recompute, ``min(backward, stashed_backward)`` per layer (``_recompute``); a stashed pack's adds
+    at least what ``bt`` (``_backward_timer``) counts."""
+    layers = np.arange(profile.num_layers)
+    sums = {}
+
+    def time(u, a, b):
+        if u not in sums:
+            per = np.minimum(bt(u, layers, layers), profile.costs("BWD", u).time - _recompute(profile, u))
+            sums[u] = np.concatenate([[0.0], np.cumsum(per)])
+        a, b = np.asarray(a), np.asarray(b)
+        return np.where(b >= a, sums[u][b + 1] - sums[u][a], 0.0)
+    return time
+
+
+def _chain_one(profile: Profile, ub: list[int], bt) -> np.ndarray:
+    """Per layer below the criterion pack: at most its share of a backward pack's first microbatch on
+    the S chain, of its last on the E chain (``_chain_timer``), and of the pack's microbatches but the
+    others' (``pipeline_path_bound``'s rest) on a path that runs them all, where the pack's load less
+    its first microbatch's recompute counts (timing.py: ``S_k`` waits for dY less that recompute)."""
+    ct, layers = _chain_timer(profile, bt), np.arange(profile.num_layers)
+    return np.minimum.reduce([ct(ub[0], layers, layers), ct(ub[-1], layers, layers),
+                              profile.costs("BWD", ub[-1]).time - _recompute(profile, ub[0])])
+
+
+def _hidden_recompute(profile: Profile, ub: list[int], end_b: np.ndarray, fits: np.ndarray, packs: int
+                      ) -> np.ndarray:
+    """Per criterion start s in ``fits``: at least what the first microbatches of ``packs`` backward
+    packs below s recompute together (each before its dY is in, a head start on the handoff
+    chains): their layers are apart, so at most one microbatch's recompute of every layer before s,
+    and at most ``packs`` times the largest pack's that fits (``end_b``)."""
+    if packs <= 0:
+        return np.zeros(len(fits))
+    pre = np.concatenate([[0.0], np.cumsum(_recompute(profile, ub[0]))])
+    starts = np.arange(len(end_b))
+    largest = float(np.max(pre[np.minimum(end_b, len(end_b) - 2) + 1] - pre[starts], initial=0.0))
+    return np.minimum(pre[fits], packs * largest)
 
 
 def _backward_timer(profile: Profile, lam: float | None, bw_in: float, ok: np.ndarray | None = None):

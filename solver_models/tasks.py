@@ -11,7 +11,8 @@ The quantities follow the default simulator's rules (harmony_opt/sim/simulator.p
 * ``p_first`` / ``p_last``: compute of the task's first / last microbatch; ``load``: of all of them;
   ``p_pen``: of the last but one (timing.py: its chain binds where the last microbatch is smaller);
 * ``hop_in``: latency of one microbatch's input handoff from the previous task (P2P between
-  GPUs, through host memory on one GPU or when microbatches are re-batched);
+  GPUs, through host memory on one GPU or when microbatches are re-batched); in vPP, less a
+  recomputing backward pack's first recompute, which runs while its dY is on the way (timing.py);
 * ``w_load``: bringing the pack's weights (and the optimizer state for a GPU step) in;
 * ``mem`` / ``wb``: the bytes the task holds / those reserved when its weights start coming in;
 * ``tail``: from the last compute to the moment the task frees its memory (last output
@@ -486,6 +487,20 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         # input: the loss pack's from the last forward pack (re-batched through host when the sizes
         # differ), a backward pack's dY from the previous backward pack; the first pack's from host
         hop = hc[s] if kind == C else hb[e + 1] + hop_extra
+        # in a pipeline a recomputing pack's microbatch recomputes while its dY is on the way from the
+        # GPU before (the simulator): its first microbatch's handoff counts from the end of its recompute
+        # (S_j is then when that recompute would start to end as dY comes in), and its later ones' only
+        # their backward after it
+        early = kind == B and recompute and cfg.ranks > 1
+        if early:
+            def rec(c):
+                whole = c.pack_time(s, e)
+                return whole - np.minimum(profile.stashed_backward_time(c.u, s, e), whole) + issue
+            r1 = rec(cb_first)
+            hop = hop - r1
+            p_last = p_last - rec(cb_last) + r1
+            if cb_pen is not None:
+                p_pen = p_pen - rec(cb_pen) + r1
         # outputs: dX of the last microbatch to the next backward pack; weight gradients
         dx = np.where(s > 0, 0.0 if pin_b else send(cb_last.input[s]), 0.0)
         ard = hw.allreduce_time(w, n) if replicas > 1 else np.zeros(len(s))
@@ -520,7 +535,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         # the host issues each microbatch's compute, every transfer, dX sent to the next GPU, the GPU
         # step and the all-reduce
         events = h2d_n + d2h_n + mb + int(gpu_opt) + np.where((s > 0) & (not via_host) & (not pin_b), mb, 0) + \
-            (replicas > 1)
+            (replicas > 1) + (mb if early else 0)     # (the recompute an event of its own)
         issuing = compute + per_event * events
         if serial:            # (a stashed pack's saved activations coming in are in its steps already)
             p2p_dx = (s > 0) & (not via_host) & (not pin_b)

@@ -39,6 +39,14 @@ microbatch and of the packs after it follows (vgg416, D=64, vDP on 4 GPUs with 1
 packs, each stashing its input: without it the model rated a chain 9.9 s that the simulator
 plays in 11.6 s, its forward phase bounded only by the phase's whole traffic; now 10.4 s).
 
+In vPP a recomputing backward task's microbatch recomputes while its dY is on the way (the
+simulator, as the executor): tasks.py takes the first microbatch's recompute ``r_first`` off the
+task's ``hop_in`` and puts it in place of each later chained microbatch's own in ``p_last`` and
+``p_pen``, so the chains count only its backward (``E_j >= E_{j-1} + hop_j + p_last_j - r_last_j``)
+and ``S_j`` is when the recompute would start for the backward to start as dY comes in (gpt2_medium
+D=64 vPP x4, Harmony's plan: rated 12.424 s with the recompute after dY, which the simulator plays
+in 12.204 s; now 12.202 s).
+
 A chain's task also waits for the memory of the task two back (``two_back``): where the memory of
 tasks j - 2 and j - 1 leaves no room for task j's weights (or its working set), they wait for task
 j - 2 to free its memory, and its tail (its last outputs, its gradients' all-reduce and way out)

@@ -372,18 +372,19 @@ def test_least_packing_is_the_cheapest_packing_by_brute_force(case):
         assert least[b] == best
 
 
-def test_vpp_bound_counts_the_handoffs_between_packs():
+def test_vpp_bound_counts_the_waits_beside_the_compute_per_gpu():
     """vgg416, D=64, vPP on 4 GPUs with 4 microbatches: one microbatch's compute is the compute per
-    GPU, and what keeps the pipeline from it is the first microbatch's handoffs from pack to pack
-    and the last pack's other microbatches; the bound counts them (the cheapest packing's) and so
-    rises above both, still below the plans the search finds."""
+    GPU. The first microbatch's trip no longer bounds above it: each backward pack recomputes while
+    its dY is on the way, which the trip's handoffs hide (the path bound 6.76 s, before 8.67 s).
+    The pipeline's waits at its ends still lift the bound above the compute per GPU, below the
+    plans the search finds (7.75 s against 7.70 s; 8.83 s found)."""
     prof, hw, cap = load_profile("vgg416"), get_hardware("1080ti-x4"), 10 * 2**30
     cfg = Config("vPP", 4, 16, 16)
     per_gpu = sum(float(prof.costs(p, 16).time.sum()) for p in ("FWD", "BWD"))   # 4 x 16 samples / 4 GPUs
-    bound = config_bound(prof, hw, 64, cfg, cap, stash=False)
+    bound = vpp_bound(prof, hw, 64, cfg, cap, stash=False)
     tasks = build_tasks(prof, hw, 64, cfg, cap, stash=False)
     best = min(v for v, _ in search.starts(tasks, prof, tries=4)[0])
-    assert per_gpu * 1.04 < bound <= best
+    assert per_gpu * 1.005 < bound <= best
 
 
 def test_stash_bound_counts_the_forward_time_stashing_costs():
@@ -475,9 +476,10 @@ def test_window_min_is_the_least_of_each_window(values, data):
 def test_vpp_bound_counts_each_gpus_whole_forward_where_microbatches_outnumber_gpus():
     """resnet1026, D=64, vPP on 4 GPUs, 5 forward microbatches of 13 and 4 backward ones of 16: the
     forward keeps every GPU busy, which one microbatch's trip through it undercounts. Counting
-    each GPU's forward work before its first backward task, then the chain from there, bounds the
-    configuration above its compute per GPU (the cheap bound), which held the bound over every
-    configuration of that case 3 % under our plan, and still below the plans the search finds."""
+    each GPU's forward work before its first backward task, then the chain from there, bounded the
+    configuration above its compute per GPU (the cheap bound). With the backward packs' recomputes
+    hidden from the chain (a pack recomputes while its dY is on the way) that path is 2.91 s, under
+    the cheap bound's 3.55 s; both stay below the plans the search finds (3.85 s)."""
     prof, hw, cap = load_profile("resnet1026"), get_hardware("1080ti-x4"), 10 * 2**30
     cfg = Config("vPP", 4, 13, 16)
     cheap = config_bound(prof, hw, 64, cfg, cap, stash=False)
@@ -486,7 +488,8 @@ def test_vpp_bound_counts_each_gpus_whole_forward_where_microbatches_outnumber_g
     seq = search.starts(tasks, prof)[0][0][1]
     part, _ = search.partitioned(tasks, prof, *search.partition_grid(tasks, seq))
     value = search.improve(tasks, min(part, key=lambda o: o[0])[1], 2000, seed=0)[0]
-    assert cheap * 1.01 < bound <= value
+    assert 0.8 * cheap < bound <= value
+    assert cheap <= vpp_bound(prof, hw, 64, cfg, cap, stash=False) <= value
 
 
 def test_vpp_path_bound_holds_with_stash_and_counts_the_largest_rest():
@@ -495,9 +498,10 @@ def test_vpp_path_bound_holds_with_stash_and_counts_the_largest_rest():
     first backward task, the other microbatches of some task after it: every packing has one whose
     rest is at least a layer's, so the band of packings without a rest is split down to where no
     packing is left, not taken as a rest of 0. Stash variants leave the path bound in force: each
-    layer's backward at the lesser of its recompute and what a stashed layer costs at least. Now
-    4.08 s (before: 0 with stash offered, 3.90 s without); the cheap bound 3.91 s; the local search
-    from the smallest criterion pack (search.short_path_start) 4.28 s."""
+    layer's backward at the lesser of its recompute and what a stashed layer costs at least: 3.22 s
+    either way (0 with stash offered before that; 4.08 s before the chain left out the backward
+    packs' recomputes, which run while dY is on the way); the cheap bound 3.82 s; the local search
+    from the smallest criterion pack (search.short_path_start) 4.11 s."""
     prof, hw, cap = load_profile("bert_large"), get_hardware("1080ti-x4"), 10 * 2**30
     cfg = Config("vPP", 4, 8, 16)
     R = prof.num_layers
@@ -506,16 +510,18 @@ def test_vpp_path_bound_holds_with_stash_and_counts_the_largest_rest():
     stashed = pipeline_path_bound(prof, hw, 64, cfg, cap, stash=True)
     tasks = build_tasks(prof, hw, 64, cfg, cap, stash=True, per_start=R)
     value, seq, _ = search.improve(tasks, search.short_path_start(tasks, prof)[1], 2000, seed=0)
-    assert cheap * 1.04 < stashed <= plain <= value
-    assert (value - stashed) / value < 0.06
+    assert stashed <= plain <= value
+    assert stashed == pytest.approx(plain, rel=1e-3) and stashed > 0.75 * value
+    assert cheap <= value
 
 
 def test_vpp_packs_at_every_layer_boundary_and_the_path_bound_meet():
     """resnet1026, D=64, vPP on 4 GPUs, microbatches of 16: as many microbatches as GPUs, so the
     pipeline idles by most of the difference between consecutive packs. Packing at every layer
-    boundary (not only the 129 candidate ones) finds a faster plan, and the serial path through
-    the largest pack, with every handoff, bounds every plan from below well above the cheap bound:
-    the two within 2 % where the cheap bound left 6 %."""
+    boundary (not only the 129 candidate ones) finds a faster plan. The serial path through the
+    largest pack, with every handoff, bounds every plan from below; it met the plan found within 2 %
+    until the backward packs' recomputes left the chain (they run while dY is on the way): 2.91 s
+    now, under the cheap bound."""
     prof, hw, cap = load_profile("resnet1026"), get_hardware("1080ti-x4"), 10 * 2**30
     cfg = Config("vPP", 4, 16, 16)
     R = prof.num_layers
@@ -529,8 +535,7 @@ def test_vpp_packs_at_every_layer_boundary_and_the_path_bound_meet():
     cheap = config_bound(prof, hw, 64, cfg, cap, stash=False)
     path = pipeline_path_bound(prof, hw, 64, cfg, cap, stash=False)
     assert fine < 0.99 * coarse
-    assert cheap < path <= fine
-    assert (fine - path) / fine < 0.02 < (fine - cheap) / fine
+    assert path <= fine and cheap <= fine
 
 
 def test_vpp_bound_counts_the_waits_at_the_pipeline_ends():
@@ -576,14 +581,15 @@ def test_vpp_bound_counts_the_work_from_the_criterion_pack_on():
     so from the criterion pack's start the GPUs have its compute, the other GPU's wait for its first
     microbatch and every backward compute to do; with stash variants, mixed with the backward
     phase's traffic. This configuration held the bound over every configuration of that case
-    (3.62 s, 2.3 % under our plan); it is now bounded within 5 % of the plan the search finds."""
+    (3.62 s, 2.3 % under our plan); it is now bounded within 6 % of the plan the search finds (the
+    other GPU's wait less what its first backward pack recomputes before its dY is in)."""
     prof, hw, cap = load_profile("bert_large"), get_hardware("1080ti-x4").with_gpus(2), 10 * 2**30
     cfg = Config("vPP", 2, 11, 7)
     bound = config_bound(prof, hw, 32, cfg, cap, stash=True)
     tasks = build_tasks(prof, hw, 32, cfg, cap, stash=True)
     starts, _ = search.starts(tasks, prof)
     value = min(search.improve(tasks, seq, 600, seed=0)[0] for _, seq in starts[:3])
-    assert 0.95 * value <= bound <= value + 1e-9
+    assert 0.94 * value <= bound <= value + 1e-9
 
 
 @settings(max_examples=10, deadline=None)

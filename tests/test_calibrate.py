@@ -38,11 +38,12 @@ def _plan(mode="vPP", gpus=1, gpu_step=False) -> Plan:
 def _synthetic(tl: Timeline, n_ranks: int) -> Timeline:
     """The simulated step as a machine with known terms would run it: each event's duration from the
     neutral one by the terms (the start times do not matter to the fit); a compute event pays ISSUE
-    per instruction (a recomputing backward pack's event is two: the recompute and the backward; a
-    forward pack's, one per piece the compiler cuts it into)."""
+    per instruction (a recomputing backward pack's event is two, the recompute and the backward, where
+    the simulator plays them as one; a forward pack's, one per piece the compiler cuts it into)."""
     ev = tl.events.copy()
     d = (ev.end - ev.start).to_numpy(dtype=float, copy=True)
-    recomputes = {f"{a}-{b}" for (a, b), o in zip(_plan().packs_bwd, _plan().options) if o.recompute}
+    split = set(ev.pack[(ev.stream == "compute") & (ev.kind == "REC")])      # recompute events of their own
+    recomputes = {f"{a}-{b}" for (a, b), o in zip(_plan().packs_bwd, _plan().options) if o.recompute} - split
     pieces = {f"{a}-{b}": n for (a, b), n in forward_instructions(_plan().packs_fwd, _plan().packs_bwd).items()}
     for i, (s, k, b, p) in enumerate(zip(ev.stream, ev.kind, ev.bytes, ev.pack)):
         w = work_of(s, k)

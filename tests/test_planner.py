@@ -208,7 +208,8 @@ def test_vpp_stashes_only_layers_the_link_moves_faster_than_they_recompute():
         stashing = 0
         for scale in (1, 300):
             prof = stash_friendly(saved_scale=scale)
-            p = plan(prof, hw, 8, PlannerOptions(mode="vPP", gpus=2, time_limit=2, hint=False, shapes=shapes),
+            # (under 3 work-seconds the search without shapes ends before it reaches a stash variant)
+            p = plan(prof, hw, 8, PlannerOptions(mode="vPP", gpus=2, time_limit=5, hint=False, shapes=shapes),
                      memory_cap=cap)
             assert p.gpus == 2
             ok = stashable_layers(prof, hw, Config.of(p), split_microbatches(8, p.microbatch_fwd),
@@ -217,8 +218,8 @@ def test_vpp_stashes_only_layers_the_link_moves_faster_than_they_recompute():
             assert ok[stashed].all()
             assert ok.all() == (scale == 1)
             stashing += bool(stashed)
-        assert stashing >= 1 + (not shapes)      # the stash pays in both without the shapes; with them, a
-        # faster plan without it exists at scale 1 (2.3365 s against 2.3401 s)
+        assert stashing >= 1 + (not shapes)      # the stash pays in both without the shapes; with them, at
+        # scale 300 the plan does not stash (2.0887 s; without the shapes, layer 0 stashed: 2.0791 s)
 
 
 def test_the_report_counts_the_work_harmonys_search_took():
@@ -231,11 +232,11 @@ def test_the_report_counts_the_work_harmonys_search_took():
 
 
 def test_the_planner_carries_an_order_the_simulator_plays_faster():
-    """resnet1026 D=32 on 2 GPUs: the search ends early, the order bound leaves 2.7 % below the
+    """resnet1026 D=32 on 2 GPUs in vDP: the search ends early, the order bound leaves 2.7 % below the
     simulated time, and the timeline model's order of rank 1's swap-outs simulates 0.3 % faster: the
     plan carries it, its simulated time is the ordered one, and it compiles in that order."""
     prof, hw = load_profile("resnet1026"), get_hardware("1080ti-x4").with_gpus(2)
-    p = plan(prof, hw, 32, PlannerOptions(time_limit=10, uneven=True), memory_cap=10 * 2**30)
+    p = plan(prof, hw, 32, PlannerOptions(mode="vDP", time_limit=10, uneven=True), memory_cap=10 * 2**30)
     o = p.solver["timeline"]["transfer_order"]
     assert o["kept"] and p.transfer_order and o["streams"] == len(p.transfer_order)
     assert p.simulated_iteration_time_s == o["simulated"] < o["rule_simulated"]

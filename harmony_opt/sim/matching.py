@@ -14,7 +14,8 @@ WORK = ("forward", "backward", "GPU step", "CPU step", "weights in", "activation
         "activations out", "all-reduce", "GPU to GPU")
 
 #: Compute-stream kinds of both timelines: the executor's instruction kinds (runtime Tracer: FWD, REC,
-#: BWD, UPD, ALL_REDUCE) and the simulator's (FWD, BWD with its recompute inside, GPU_UPD).
+#: BWD, UPD, ALL_REDUCE) and the simulator's (FWD, REC and BWD where dY comes from another rank, else
+#: BWD with its recompute inside, GPU_UPD).
 COMPUTE_KINDS = {"FWD": "forward", "REC": "backward", "BWD": "backward", "UPD": "GPU step", "GPU_UPD": "GPU step",
                  "ALL_REDUCE": "all-reduce"}
 #: Transfer kinds that move a pack's weights, buffers, optimizer state or gradients (the rest: activations).

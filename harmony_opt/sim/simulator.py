@@ -26,6 +26,10 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
   first (the executor runs the rank's program in order), its CPU optimizer steps beside them;
   with ``host_instruction_s`` (a GPU's, as ``calibrate`` fits it from the host's issue times) the
   step lasts at least what the rank's issuing thread spends (:func:`host_floor`);
+* a recomputing backward microbatch whose output gradient (dY) comes from another rank is two
+  events, as the executor runs it: the recompute (``REC``), which waits for the weights, the
+  stashed input and the microbatch before, then the backward (``BWD``), which also waits for dY;
+  elsewhere the backward event holds its recompute;
 * GPU memory per rank is a resource: a task reserves its weights when their swap-in
   starts and its working set when its first compute starts (the planners' pack memory,
   :mod:`harmony_opt.core.memory`), and frees both when its last event ends; an event that
@@ -40,10 +44,8 @@ each moves by) into events (see docs/cost_model.md for the exact rules) and play
 
 Fidelity limits: kernel times are the profile's per-layer times summed over a pack
 (no fusion across layers); a transfer runs at full per-direction bandwidth or waits
-(no fractional sharing); a recomputing backward waits for its output gradient before its
-recompute, which the executor runs before it (docs/cost_model.md); the input double-buffer of
-the next microbatch is not counted in memory (the per-layer peaks already include one input and
-one output).
+(no fractional sharing); the input double-buffer of the next microbatch is not counted in memory
+(the per-layer peaks already include one input and one output).
 """
 from __future__ import annotations
 
@@ -345,6 +347,10 @@ class Expansion:
         stashed = self.stashed.get((a, b), []) if fwd else []
         scale, issue = self.hw.compute_scale, self.hw.issue_overhead_s
         durations: dict[int, float] = {}
+        # a recomputing backward whose dY comes from another rank recomputes while dY is on its way: the
+        # executor's recompute waits for the weights and the stashed input, its backward for dY too
+        split = not fwd and recompute and dy_in is not None and self.by_key[dy_in.peer].rank != r
+        first_compute = None
         for i, u in enumerate(node.microbatches):
             # -- inputs of microbatch i
             in_dep = []
@@ -357,22 +363,33 @@ class Expansion:
                 src = [sent[needs[i][-1]] for sent, needs in sx_src]
                 in_dep.append(self.h2d(r, "sX", node, i, sum(f.nbytes[i] for f in sx_in),
                                        src + self._buffer_deps(computes, i)))
+            alloc = (mem - wb - kept_in) if i == 0 else 0
+            after = [w_in] + ([computes[-1]] if computes else [])
+            if split:                   # the recompute, before dY's event (the executor's order)
+                whole = float(prof.costs(phase, u).pack_time(a, b))
+                rec = whole - min(float(prof.stashed_backward_time(u, a, b)), whole)
+                rec_ev = self.add(r, "compute", "REC", node, i, rec * scale + issue, 0, in_dep + after, alloc=alloc)
+                first_compute = rec_ev if first_compute is None else first_compute
+                in_dep, after, alloc = [rec_ev], [], 0
             if dy_in is not None:
                 in_dep.append(self._receive(node, dy_in, dy_src, i, []))
             # -- compute
             dur = durations.get(u)
             if dur is None:
-                if recompute:
+                if split:               # the rest of the backward's time
+                    whole = float(prof.costs(phase, u).pack_time(a, b))
+                    dur = min(float(prof.stashed_backward_time(u, a, b)), whole) * scale + issue
+                elif recompute:
                     ci = costs if u == nominal else prof.costs(phase, u)
                     dur = float(ci.pack_time(a, b))
                     if stashed:         # a forward keeping the graph of the layers a stash pack saves
                         extra = prof.stash_forward_extra(u)
                         dur += float(sum(extra[lo:hi + 1].sum() for lo, hi in stashed))
+                    dur = dur * scale + issues * issue
                 else:                   # stashed activations: no recompute of the pack's forward
-                    dur = float(prof.stashed_backward_time(u, a, b))
-                dur = durations[u] = dur * scale + issues * issue
-            cdeps = in_dep + [w_in] + ([computes[-1]] if computes else [])
-            comp = self.add(r, "compute", phase, node, i, dur, 0, cdeps, alloc=(mem - wb - kept_in) if i == 0 else 0)
+                    dur = float(prof.stashed_backward_time(u, a, b)) * scale + issues * issue
+                durations[u] = dur
+            comp = self.add(r, "compute", phase, node, i, dur, 0, in_dep + after, alloc=alloc)
             computes.append(comp)
             # -- outputs of microbatch i
             for f, kind, medium, sent in outs:
@@ -394,7 +411,7 @@ class Expansion:
         # the task's memory is released when its last event ends
         end = self.add(r, "free", "free", node, len(node.microbatches) - 1, 0.0, 0, [computes[-1]] + task_outputs)
         self.events[end].free_after = [mem - kept_out]
-        last_on_rank[r] = {"first_compute": computes[0], "end_marker": end}
+        last_on_rank[r] = {"first_compute": computes[0] if first_compute is None else first_compute, "end_marker": end}
 
     def _receive(self, node: TaskNode, f, sent: list[int], i: int, buffer_deps: list) -> int:
         """The event after which activation input ``f`` (X or dY) of microbatch ``i`` is on this GPU: the
