@@ -58,7 +58,8 @@ from .tasks import Config, build_tasks, candidate_cuts
 from .timing import evaluate, pack_starts, sequence_of_plan
 from .steps.first import first_solutions, harmony_hint
 from .steps.improve import cp_sat, exact_shapes, local_search, tighten
-from .steps.select import even_runner_up, handoff_chains, judge_candidates, polish, sweep_starts, with_handoff
+from .steps.select import (even_runner_up, handoff_chains, judge_candidates, polish, refine_chain, sweep_starts,
+                           with_handoff)
 from .steps.order import timeline_of, transfer_order
 
 
@@ -297,13 +298,16 @@ def _plan(profile: Profile, hw: Hardware, batch: int, options: PlannerOptions | 
         best_plan, best_t, best_c, judged = judge_candidates(S, found, incumbent)        # 4
         if best_c is not None and best_c.cfg.ranks == 1 and S.handoff(best_c.cfg):
             best_plan, best_t = handoff_chains(S, best_c, best_plan, best_t)   # 4b
+        rival = refine_chain(S, best_c, judged, best_t, found)                          # 4c
         if best_c is not None and best_c.cfg.ranks > 1:
             also = even_runner_up(best_c, judged, best_t, even)
             best_plan, best_t, best_c = sweep_starts(S, best_c, best_plan, best_t, found, also)   # 5
         if best_c is not None:
             best_plan, best_t = polish(S, best_c, best_plan, best_t, found)               # 5
-            if best_c.handoff:
-                with_handoff(S, best_c)
+        if rival is not None and rival[2] < best_t * (1 - 1e-9):
+            best_c, best_plan, best_t = rival
+        if best_c is not None and best_c.handoff:
+            with_handoff(S, best_c)
     if best_c is not None and best_c.cfg.ranks > 1:
         tighten(S, best_c)             # the chosen configuration's proof, also where it is not the lowest
     space_bound = _space_bound(S, found, open_bound) if opts.cost_model == "default" else None
