@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import harmony_opt.fuzzing as fuzzing
@@ -45,6 +45,10 @@ def test_baselines_plan_or_explain(case):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
+# its program did not fit the cap: the search again under a lowered cap claimed 15.407 s, its time there,
+# while the plan keeps the user's cap, under which the simulator plays it in 15.389 s
+@example(case=FuzzCase(layers=18, seed=201030172, batch=64, gpus=1, cap_factor=3.415110365445132, mode="vDP",
+                       use_gpus=1, time_limit=1.0))
 def test_cp_sat_plans_or_explains(case):
     assert check_case(case, ("cp-sat",))["cp-sat"] in ("plan", "infeasible")
 
