@@ -494,8 +494,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         early = kind == B and recompute and cfg.ranks > 1
         if early:
             def rec(c):
-                whole = c.pack_time(s, e)
-                return whole - np.minimum(profile.stashed_backward_time(c.u, s, e), whole) + issue
+                return profile.recompute_split(c.u, s, e)[0] + issue
             r1 = rec(cb_first)
             hop = hop - r1
             p_last = p_last - rec(cb_last) + r1

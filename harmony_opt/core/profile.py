@@ -328,6 +328,15 @@ class Profile:
             return np.maximum(prefix[np.add(b, 1)] - prefix[a], 0.0)
         return np.maximum(self.costs("BWD", u).pack_time(a, b) - self._recomputed(u).pack_time(a, b), 0.0)
 
+    def recompute_split(self, u: int, a, b):
+        """(recompute, rest) of a recomputing backward microbatch of ``u`` samples over pack [a, b]
+        (ints or arrays): the rest is its backward without the recompute (``stashed_backward_time``, at
+        most the whole), the recompute what is left of the whole. The simulator plays them as two
+        events where the microbatch's output gradient comes from another rank."""
+        whole = self.costs("BWD", u).pack_time(a, b)
+        rest = np.minimum(self.stashed_backward_time(u, a, b), whole)
+        return whole - rest, rest
+
     def _recomputed(self, u: int) -> PhaseCosts:
         """The forward costs a backward microbatch of ``u`` samples recomputes: at the nearest profiled
         forward size."""

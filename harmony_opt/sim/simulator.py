@@ -351,6 +351,7 @@ class Expansion:
         # executor's recompute waits for the weights and the stashed input, its backward for dY too
         split = not fwd and recompute and dy_in is not None and self.by_key[dy_in.peer].rank != r
         first_compute = None
+        recomputes: dict[int, float] = {}      # split: per size, the recompute event's time
         for i, u in enumerate(node.microbatches):
             # -- inputs of microbatch i
             in_dep = []
@@ -366,20 +367,18 @@ class Expansion:
             alloc = (mem - wb - kept_in) if i == 0 else 0
             after = [w_in] + ([computes[-1]] if computes else [])
             if split:                   # the recompute, before dY's event (the executor's order)
-                whole = float(prof.costs(phase, u).pack_time(a, b))
-                rec = whole - min(float(prof.stashed_backward_time(u, a, b)), whole)
-                rec_ev = self.add(r, "compute", "REC", node, i, rec * scale + issue, 0, in_dep + after, alloc=alloc)
+                if u not in recomputes:
+                    rec, rest = prof.recompute_split(u, a, b)
+                    recomputes[u], durations[u] = float(rec) * scale + issue, float(rest) * scale + issue
+                rec_ev = self.add(r, "compute", "REC", node, i, recomputes[u], 0, in_dep + after, alloc=alloc)
                 first_compute = rec_ev if first_compute is None else first_compute
                 in_dep, after, alloc = [rec_ev], [], 0
             if dy_in is not None:
                 in_dep.append(self._receive(node, dy_in, dy_src, i, []))
             # -- compute
             dur = durations.get(u)
-            if dur is None:
-                if split:               # the rest of the backward's time
-                    whole = float(prof.costs(phase, u).pack_time(a, b))
-                    dur = min(float(prof.stashed_backward_time(u, a, b)), whole) * scale + issue
-                elif recompute:
+            if dur is None:             # (split: set with its recompute above)
+                if recompute:
                     ci = costs if u == nominal else prof.costs(phase, u)
                     dur = float(ci.pack_time(a, b))
                     if stashed:         # a forward keeping the graph of the layers a stash pack saves
