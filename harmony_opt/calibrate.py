@@ -14,7 +14,8 @@ Hardware terms the simulator charges:
 * GPU -> GPU sends where the trace times them (the CPU device: the sends and receives between
   ranks, matched per rank and microbatch): measured = bytes / p2p_bandwidth + p2p_latency_s
 * CPU optimizer steps: measured = cpu_optimizer_scale * profiled + cpu_optimizer_call_s
-* optimizer steps on the GPU: gpu_optimizer_bandwidth
+* optimizer steps on the GPU: measured = bytes / gpu_optimizer_bandwidth + gpu_optimizer_call_s (where
+  matched, the fit holds what the probe's per-tensor cost held: gpu_optimizer_tensor_s is set to 0)
 * the vDP all-reduce: measured = ring bytes / collective_bandwidth + collective_latency_s per call
 
 A fixed cost is fitted only where the matched groups tell it from the slope (at least
@@ -48,7 +49,7 @@ TERMS = {
     "host -> GPU": (("weights in", "activations in"), "h2d_bandwidth", "h2d_latency_s"),
     "GPU -> host": (("weights out", "activations out"), "d2h_bandwidth", "d2h_latency_s"),
     "CPU step": (("CPU step",), "cpu_optimizer_scale", "cpu_optimizer_call_s"),
-    "GPU step": (("GPU step",), "gpu_optimizer_bandwidth", None),
+    "GPU step": (("GPU step",), "gpu_optimizer_bandwidth", "gpu_optimizer_call_s"),
     "all-reduce": (("all-reduce",), "collective_bandwidth", "collective_latency_s"),
     "GPU to GPU": (("GPU to GPU",), "p2p_bandwidth", "p2p_latency_s"),
 }
@@ -61,7 +62,8 @@ COPY_BANDWIDTHS = tuple(TERMS[t][1] for t in BYTE_TERMS)
 #: The cost terms with their neutral values: the simulator then prices from the profile and bandwidths alone.
 NEUTRAL_TERMS = {"compute_scale": 1.0, "issue_overhead_s": 0.0, "h2d_latency_s": 0.0, "d2h_latency_s": 0.0,
                  "p2p_latency_s": 0.0, "collective_latency_s": 0.0,
-                 "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "collective_bandwidth": None,
+                 "cpu_optimizer_scale": 1.0, "cpu_optimizer_call_s": 0.0, "gpu_optimizer_call_s": 0.0,
+                 "gpu_optimizer_tensor_s": 0.0, "collective_bandwidth": None,
                  "instruction_gap_s": 0.0, "host_instruction_s": 0.0}
 
 
@@ -425,6 +427,8 @@ def fit_hardware(measured: Timeline | Sequence[Timeline], simulated: Timeline, h
         used = old if slope is None else slope
         price.update({w: (used, fixed) for w in works})
         changes.update(_fields(hardware, slope_field, used, fixed_field, fixed))
+        if name == "GPU step":      # fitted against steps without it: the fit's fixed cost and slope hold it
+            changes["gpu_optimizer_tensor_s"] = 0.0
         if note:
             notes.append(f"{name}: {note}")
     changes["instruction_gap_s"] = gap
@@ -576,8 +580,8 @@ CLOSE_TOLERANCE = 1e-3
 #: Hardware fields that time something, by how: multiplied (seconds, factors on seconds) or divided
 #: (bandwidths) by :func:`scaled`'s factor.
 TIME_FIELDS = ("compute_scale", "issue_overhead_s", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s",
-               "collective_latency_s", "cpu_optimizer_scale", "cpu_optimizer_call_s", "instruction_gap_s",
-               "host_instruction_s")
+               "collective_latency_s", "cpu_optimizer_scale", "cpu_optimizer_call_s", "gpu_optimizer_call_s",
+               "gpu_optimizer_tensor_s", "instruction_gap_s", "host_instruction_s")
 RATE_FIELDS = ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                "gpu_optimizer_bandwidth", "collective_bandwidth", "network_bandwidth")
 

@@ -504,7 +504,7 @@ def build_tasks(profile: Profile, hw: Hardware, batch: int, cfg: Config, cap: in
         dx = np.where(s > 0, 0.0 if pin_b else send(cb_last.input[s]), 0.0)
         ard = hw.allreduce_time(w, n) if replicas > 1 else np.zeros(len(s))
         if gpu_opt:
-            step = (3 * w + 2 * k_opt) / hw.gpu_optimizer_bandwidth + issue
+            step = hw.gpu_step_time(w, k_opt, profile.param_tensor_count(s, e)) + issue
             p_last, load, compute = p_last + step, load + step, compute + step
             grads = (w + k_opt) / replicas
             upd = np.zeros(len(s))

@@ -172,7 +172,8 @@ def test_every_bound_is_below_the_optimum_of_its_model(R, seed, fwd, bwd, gpus, 
 #: bound from the profile's times alone would pass the plans
 TERM_CHOICES = {"copy_overlap": [True, False], "h2d_latency_s": [0.0, 2e-5, 1e-3], "d2h_latency_s": [0.0, 2e-5, 1e-3],
                 "p2p_latency_s": [0.0, 1e-3], "compute_scale": [0.2, 0.6, 1.0, 3.0],
-                "cpu_optimizer_call_s": [0.0, 1e-3, 2e-2], "issue_overhead_s": [0.0, 5e-5, 2e-3],
+                "cpu_optimizer_call_s": [0.0, 1e-3, 2e-2], "gpu_optimizer_call_s": [0.0, 1e-3],
+                "gpu_optimizer_tensor_s": [0.0, 1e-4], "issue_overhead_s": [0.0, 5e-5, 2e-3],
                 "collective_bandwidth": [None, 1e8, 1e11], "collective_latency_s": [0.0, 1e-3]}
 TERMS = st.fixed_dictionaries({k: st.booleans() if k == "copy_overlap" else st.sampled_from(v)
                                for k, v in TERM_CHOICES.items()})

@@ -59,7 +59,8 @@ def test_unknown_preset():
 
 
 TERMS = dict(copy_overlap=False, h2d_latency_s=2e-5, d2h_latency_s=3e-5, compute_scale=0.75,
-             cpu_optimizer_call_s=1e-3, issue_overhead_s=5e-5, collective_bandwidth=2e9, collective_latency_s=4e-4)
+             cpu_optimizer_call_s=1e-3, gpu_optimizer_call_s=4e-5, gpu_optimizer_tensor_s=7e-6, issue_overhead_s=5e-5,
+             collective_bandwidth=2e9, collective_latency_s=4e-4)
 
 
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
@@ -99,6 +100,8 @@ def test_neutral_terms_are_left_out_of_what_plans_record_and_files_hold(tmp_path
     ("compute_scale = 0", "compute_scale must be a finite number > 0, got 0"),
     ("compute_scale = -2.0", "compute_scale must be a finite number > 0"),
     ("cpu_optimizer_call_s = -0.001", "cpu_optimizer_call_s must be a finite number of seconds >= 0"),
+    ("gpu_optimizer_tensor_s = -1e-6", "gpu_optimizer_tensor_s must be a finite number of seconds >= 0"),
+    ("gpu_optimizer_call_s = true", "field gpu_optimizer_call_s must be a number (seconds), got True"),
     ("issue_overhead_s = inf", "issue_overhead_s must be a finite number of seconds >= 0, got inf"),
     ("collective_bandwidth = 0", "collective_bandwidth must be a positive finite bandwidth"),
     ("collective_latency_s = -1e-4", "collective_latency_s must be a finite number of seconds >= 0"),

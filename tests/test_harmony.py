@@ -443,7 +443,8 @@ def test_harmonys_cost_model_ignores_the_hardwares_execution_terms():
     prof = synthetic_profile(R=6, seed=1)
     hw = get_hardware("1080ti-x4").with_gpus(2)
     cpu = dataclasses.replace(hw, copy_overlap=False, h2d_latency_s=2e-5, d2h_latency_s=2e-5, compute_scale=0.5,
-                              cpu_optimizer_call_s=1e-3, issue_overhead_s=5e-5, collective_bandwidth=1e9)
+                              cpu_optimizer_call_s=1e-3, gpu_optimizer_call_s=1e-3, gpu_optimizer_tensor_s=1e-4,
+                              issue_overhead_s=5e-5, collective_bandwidth=1e9)
 
     def decisions(p):
         d = json.loads(p.to_json())

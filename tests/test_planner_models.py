@@ -1,5 +1,7 @@
 """The planner's models (chain.py, pipeline.py, dp.py, search.py, timing.py): they equal the exact DP
 where both apply, their objectives are what their packs are worth, and they agree with the simulator."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -375,3 +377,27 @@ def test_cp_sat_models_charge_the_host_floor(gpus):
     assert round(res.objective * tasks.ticks_per_s) >= issuing_floor(tasks, res.sequence)
     if res.status == "OPTIMAL":
         assert evaluate(tasks, res.sequence, pairwise=gpus == 1) == pytest.approx(res.objective, abs=1e-9)
+
+
+def test_the_model_charges_a_gpu_step_as_the_simulator_does():
+    """A step on the GPU pays its call and each parameter tensor (Hardware.gpu_step_time) in the model as
+    in the simulator; where they cost more than the bytes saved, the CPU step becomes the faster plan,
+    and the model says so."""
+    prof = synthetic_profile(R=4)
+    prof = dataclasses.replace(prof, layers=prof.layers.assign(param_tensors=[3, 5, 2, 2]))
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(1), p2p_bandwidth=0.0)
+    costly = dataclasses.replace(hw, gpu_optimizer_call_s=2e-3, gpu_optimizer_tensor_s=3e-4)
+
+    def times(h, optimizer):
+        plan = Plan("t", "vPP", 1, 4, 2, 2, [(0, 1)], [(0, 1), (2, 3)], 4,
+                    options=(PackOptions(optimizer=optimizer), PackOptions(optimizer=optimizer)))
+        t = build_tasks(prof, h, 4, Config.of(plan), h.gpu_memory_bytes)
+        return evaluate(t, sequence_of_plan(t, plan)), simulate(plan, prof, h).iteration_time
+
+    for h in (hw, costly):
+        for optimizer in ("gpu", "cpu"):
+            model, sim = times(h, optimizer)
+            assert model == pytest.approx(sim, rel=1e-4), (h.gpu_optimizer_call_s, optimizer)
+    # two GPU steps, of 8 and 4 tensors
+    assert times(costly, "gpu")[1] - times(hw, "gpu")[1] == pytest.approx(2 * 2e-3 + 12 * 3e-4)
+    assert times(hw, "gpu")[0] < times(hw, "cpu")[0] and times(costly, "gpu")[0] > times(costly, "cpu")[0]

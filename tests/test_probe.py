@@ -10,8 +10,8 @@ from harmony_opt.core.errors import UsageError
 from harmony_opt.core.hardware import Hardware
 from harmony_opt.core.units import KiB
 from harmony_opt.measure.probe import (
-    call_cost, fit_linear, latency_bandwidth, measure_collective, measure_cpu_optimizer, measure_issue_overhead,
-    measure_p2p, measure_transfers, probe_hardware, transfer_fit)
+    call_cost, fit_linear, gpu_step_terms, latency_bandwidth, measure_collective, measure_cpu_optimizer,
+    measure_gpu_optimizer, measure_issue_overhead, measure_p2p, measure_transfers, probe_hardware, transfer_fit)
 
 # one intra-op thread for every test here (conftest.one_thread): no spin-waiting collapse on a busy machine
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,6 +71,25 @@ def test_cpu_optimizer_has_a_cost_per_call():
     assert call_cost(fit) > 0.2 * smallest
     with pytest.raises(UsageError, match="adam or sgd"):
         measure_cpu_optimizer("lamb")
+
+
+def test_a_step_on_the_device_has_a_cost_per_call_and_per_tensor():
+    """The executor's optimizer step on the device (here the CPU): a pack of small layers costs far
+    more than its bytes, and more with more parameters; the terms are what the simulator charges."""
+    fit = measure_gpu_optimizer("cpu", repeats=3, packs=(1, 2, 4), layer_bytes=(4 * KiB, 256 * KiB),
+                                large=1 << 20)
+    assert len(fit.points) == 7
+    terms = gpu_step_terms(fit)
+    assert terms["gpu_optimizer_bandwidth"] > 0
+    assert terms["gpu_optimizer_call_s"] > 0 and terms["gpu_optimizer_tensor_s"] > 0
+    smallest = min(t for _, t in fit.points)
+    assert terms["gpu_optimizer_call_s"] + 4 * terms["gpu_optimizer_tensor_s"] > 0.3 * smallest
+    hw = Hardware("probed", 1, 1 << 30, 1 << 32, 1 << 31, 1e10, 1e10, **terms)
+    assert _median_error(fit) < 0.5, fit.points
+    for (nbytes, tensors), t in fit.points[:-1]:
+        # the simulator's charge, from the bytes it counts (3 W + 2 K, Adam: K = 2 W)
+        w = nbytes / 7
+        assert hw.gpu_step_time(w, 2 * w, tensors) == pytest.approx(fit.predict(nbytes, tensors))
 
 
 def test_issue_overhead_and_collective_are_sane():

@@ -431,6 +431,24 @@ def test_a_stashed_pack_issues_one_instruction_per_microbatch_and_a_gpu_step_one
         assert dur(b, q) - dur(a, q) == pytest.approx(n * issue, rel=1e-9), q
 
 
+def test_a_gpu_step_pays_its_call_and_each_parameter_tensor():
+    """The executor's step on the device loops over the pack's parameters: a step of a pack whose two
+    layers hold 3 and 5 tensors lasts the call plus 8 tensors' cost more; without the counts (Harmony's
+    profiles), one tensor per layer with parameters."""
+    counted = synthetic_profile(R=4)
+    counted = dataclasses.replace(counted, layers=counted.layers.assign(param_tensors=[3, 5, 2, 2]))
+    hw = dataclasses.replace(get_hardware("1080ti-x4").with_gpus(1), p2p_bandwidth=0.0)
+    plan = Plan("t", "vPP", 1, 4, 2, 2, [(0, 1)], [(0, 1), (2, 3)], 4,
+                options=(PackOptions(optimizer="gpu"), PackOptions()))
+    call, per = 2e-4, 3e-5
+    step = lambda prof, h: simulate(plan, prof, h).events.query("kind == 'GPU_UPD'")  # noqa: E731
+    for prof, tensors in ((counted, 8), (synthetic_profile(R=4), 2)):
+        a = step(prof, hw)
+        b = step(prof, dataclasses.replace(hw, gpu_optimizer_call_s=call, gpu_optimizer_tensor_s=per))
+        assert len(a) == 1 and prof.param_tensor_count(0, 1) == tensors
+        assert float((b.end - b.start).sum() - (a.end - a.start).sum()) == pytest.approx(call + tensors * per)
+
+
 def test_each_send_between_gpus_pays_the_p2p_latency():
     """A vPP plan on two GPUs hands Y and dX over the GPU link: each send lasts p2p_latency_s more."""
     prof = synthetic_profile(R=4)
@@ -492,7 +510,8 @@ def test_without_copy_overlap_a_rank_runs_its_events_in_task_order():
 @given(plans(), st.fixed_dictionaries({
     "copy_overlap": st.booleans(), "h2d_latency_s": st.sampled_from([0.0, 1e-4]), "d2h_latency_s": st.sampled_from([0.0, 1e-4]),
     "p2p_latency_s": st.sampled_from([0.0, 1e-4]), "compute_scale": st.sampled_from([0.01, 0.5, 1.0, 2.0]),
-    "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3]),
+    "cpu_optimizer_call_s": st.sampled_from([0.0, 1e-3]), "gpu_optimizer_call_s": st.sampled_from([0.0, 1e-3]),
+    "gpu_optimizer_tensor_s": st.sampled_from([0.0, 1e-4]),
     "issue_overhead_s": st.sampled_from([0.0, 1e-4, 1e-3]), "collective_bandwidth": st.sampled_from([None, 1e8])}),
     st.floats(0.3, 1.0), st.sampled_from([1.0, 100.0]))
 def test_the_lower_bound_holds_with_the_hardwares_execution_terms(case, terms, frac, slow):

@@ -148,7 +148,8 @@ def _term_lines(cal, hw: Hardware) -> list[str]:
                    f"{h.cpu_optimizer_call_s * 1e6:.1f} us per call ({f['CPU step'].points} matched groups)")
     if f["GPU step"].points:
         out.append(f"GPU optimizer: {h.gpu_optimizer_bandwidth / 1e9:.3g} GB/s (was "
-                   f"{hw.gpu_optimizer_bandwidth / 1e9:.3g})")
+                   f"{hw.gpu_optimizer_bandwidth / 1e9:.3g}), {h.gpu_optimizer_call_s * 1e6:.1f} us per call "
+                   f"({f['GPU step'].points} matched groups)")
     if f["all-reduce"].points:
         out.append(f"all-reduce: {h.collective_bandwidth / 1e9:.3g} GB/s, {h.collective_latency_s * 1e6:.1f} us per "
                    f"call ({f['all-reduce'].points} matched groups)")

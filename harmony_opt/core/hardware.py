@@ -54,13 +54,16 @@ class Hardware:
     p2p_bandwidth: float = 0.0       # GPU <-> GPU, bytes/s (0: through host memory)
     host_copy_bandwidth: float = 16 * GiB   # host memory copies between processes, bytes/s
     cpu_optimizer_scale: float = 1.0   # multiplies the profile's cpu_update_s (other CPU than profiled)
-    gpu_optimizer_bandwidth: float = 300 * GB  # bytes of (W + dW + K) per second for an optimizer step on GPU
+    gpu_optimizer_bandwidth: float = 300 * GB  # bytes of 3 W + 2 K per second for an optimizer step on GPU
+                                     # (W and dW read, W written, the state K read and written)
     copy_overlap: bool = True        # copies and GPU<->GPU transfers run beside compute (False: one at a time)
     h2d_latency_s: float = 0.0       # fixed seconds per host -> GPU transfer, on top of bytes / bandwidth
     d2h_latency_s: float = 0.0       # fixed seconds per GPU -> host transfer
     p2p_latency_s: float = 0.0       # fixed seconds per GPU -> GPU transfer (an activation handed between ranks)
     compute_scale: float = 1.0       # multiplies the profile's forward, backward and recompute times
     cpu_optimizer_call_s: float = 0.0   # fixed seconds per CPU optimizer step (one per backward pack and rank)
+    gpu_optimizer_call_s: float = 0.0   # fixed seconds per optimizer step on the GPU (one per backward pack and rank)
+    gpu_optimizer_tensor_s: float = 0.0  # and per parameter tensor it steps (the executor's per-parameter work)
     issue_overhead_s: float = 0.0    # fixed seconds per compute instruction (forward, recompute, backward, GPU step)
     collective_bandwidth: float | None = None   # bytes/s of the vDP gradient all-reduce; None = p2p_bandwidth
     collective_latency_s: float = 0.0   # fixed seconds per all-reduce call (one per backward pack and sweep)
@@ -92,8 +95,9 @@ class Hardware:
             raise HardwareError(f"{where}: cpu_optimizer_scale must be positive")
         if not isinstance(self.copy_overlap, bool):
             raise HardwareError(f"{where}: copy_overlap must be true or false, got {self.copy_overlap!r}")
-        for f in ("h2d_latency_s", "d2h_latency_s", "p2p_latency_s", "cpu_optimizer_call_s", "issue_overhead_s",
-                  "collective_latency_s", "instruction_gap_s", "host_instruction_s"):
+        for f in ("h2d_latency_s", "d2h_latency_s", "p2p_latency_s", "cpu_optimizer_call_s", "gpu_optimizer_call_s",
+                  "gpu_optimizer_tensor_s", "issue_overhead_s", "collective_latency_s", "instruction_gap_s",
+                  "host_instruction_s"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise HardwareError(f"{where}: {f} must be a finite number of seconds >= 0, got {v!r}")
@@ -165,6 +169,14 @@ class Hardware:
             t = t + 2 * (s - 1) / s * nbytes / self.network_bandwidth
         return t + self.collective_latency_s if p > 1 or s > 1 else t
 
+    def gpu_step_time(self, weight_bytes, state_bytes, tensors):
+        """Seconds of one optimizer step on the GPU over a pack of ``weight_bytes`` of weights in ``tensors``
+        parameter tensors with ``state_bytes`` of optimizer state (numbers or arrays), before the
+        instruction's issue overhead: the bytes it reads and writes, and the executor's fixed work per
+        call and per parameter, which outweighs the bytes on small layers (``probe`` measures both)."""
+        return ((3 * weight_bytes + 2 * state_bytes) / self.gpu_optimizer_bandwidth + self.gpu_optimizer_call_s
+                + tensors * self.gpu_optimizer_tensor_s)
+
     def with_memory(self, cap_bytes: int) -> "Hardware":
         return dataclasses.replace(self, gpu_memory_bytes=int(cap_bytes))
 
@@ -234,7 +246,8 @@ class Hardware:
                 raise HardwareError(f"{source}: {e}") from None
         for k in ("h2d_bandwidth", "d2h_bandwidth", "link_bandwidth", "p2p_bandwidth", "host_copy_bandwidth",
                   "cpu_optimizer_scale", "gpu_optimizer_bandwidth", "h2d_latency_s", "d2h_latency_s",
-                  "p2p_latency_s", "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s", "collective_bandwidth",
+                  "p2p_latency_s", "compute_scale", "cpu_optimizer_call_s", "gpu_optimizer_call_s",
+                  "gpu_optimizer_tensor_s", "issue_overhead_s", "collective_bandwidth",
                   "collective_latency_s", "instruction_gap_s", "host_instruction_s", "network_bandwidth"):
             if kw.get(k) is not None and (isinstance(kw[k], bool) or not isinstance(kw[k], (int, float))):
                 unit = "seconds" if k.endswith("_s") else "a factor" if k.endswith("scale") else "bytes/s"
@@ -268,7 +281,8 @@ class Hardware:
 #: The execution terms and their neutral defaults (Hardware's fields of the same names)
 EXECUTION_TERMS: dict = {f.name: f.default for f in dataclasses.fields(Hardware)
                          if f.name in ("copy_overlap", "h2d_latency_s", "d2h_latency_s", "p2p_latency_s",
-                                       "compute_scale", "cpu_optimizer_call_s", "issue_overhead_s",
+                                       "compute_scale", "cpu_optimizer_call_s", "gpu_optimizer_call_s",
+                                       "gpu_optimizer_tensor_s", "issue_overhead_s",
                                        "collective_bandwidth", "collective_latency_s", "instruction_gap_s",
                                        "host_instruction_s")}
 

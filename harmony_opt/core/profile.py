@@ -158,9 +158,14 @@ class Profile:
                                f"{', '.join(PRECISIONS)}")
         R = len(self.layers)
         lay = self.layers.sort_values("layer")
+        # parameter tensors: as counted, or (a profile without the counts, such as Harmony's) one per
+        # layer with parameters
+        tensors = lay["param_tensors"].to_numpy(np.int64) if "param_tensors" in lay \
+            else (lay["param_bytes"].to_numpy() > 0).astype(np.int64)
         object.__setattr__(self, "_static", {
-            c: np.concatenate([[0], np.cumsum(lay[c].to_numpy())])
-            for c in ("param_bytes", "buffer_bytes", "optimizer_state_bytes", "cpu_update_s")
+            **{c: np.concatenate([[0], np.cumsum(lay[c].to_numpy())])
+               for c in ("param_bytes", "buffer_bytes", "optimizer_state_bytes", "cpu_update_s")},
+            "param_tensors": np.concatenate([[0], np.cumsum(tensors)]),
         })
         tables = {}
         for phase in PHASES:
@@ -468,6 +473,11 @@ class Profile:
 
     def cpu_update_time(self, a, b):
         return self._static_sum("cpu_update_s", a, b)
+
+    def param_tensor_count(self, a, b):
+        """Parameter tensors of [a, b] (what an optimizer step loops over): as counted, or one per
+        layer with parameters where the profile does not count them."""
+        return self._static_sum("param_tensors", a, b)
 
     # Convenience wrappers used in docs and tests.
     def fwd_time(self, a: int, b: int, u: int) -> float:

@@ -66,7 +66,13 @@ predicts a run before any calibration:
 * usable GPU memory: the smallest free memory over the GPUs at probe time, less 5% for the
   allocator's fragmentation and kernel workspaces; host memory from ``os.sysconf``, up to 3/4 of
   it pinnable; host memory copies (``host_copy_bandwidth``): a CPU tensor copy of the largest size.
-* an Adam step on the GPU gives ``gpu_optimizer_bandwidth`` (bytes of W + dW + state per second);
+* the optimizer step on the GPU (``gpu_optimizer_bandwidth``, ``gpu_optimizer_call_s``,
+  ``gpu_optimizer_tensor_s``): the executor's step of a pack on the device
+  (``PackOptimizers.step_device``, Adam as the profiler builds it) for packs of 1 to 8 layers of
+  4 parameters, 16 B to 2 MiB per layer and one of 16 Mi parameters, fitted as time = per call +
+  per tensor x tensors + (3 W + 2 K) / bandwidth, the bytes the simulator charges (W and dW read, W
+  written, the state read and written). On 2 CPU cores about 40 us per call and 8 us per tensor:
+  a 16-tensor BERT block's step on the CPU device costs 0.17 ms more than its bytes;
   ``cpu_optimizer_scale`` and ``compute_scale`` stay 1: a profile made on this machine already
   holds its times (``harmony-opt calibrate`` fits them against a traced run).
 
@@ -157,7 +163,9 @@ def probe_summary(hw: Hardware) -> str:
                if hw.p2p_bandwidth > 0 else "")
             + (f"all-reduce {hw.collective_latency_s * 1e6:.0f} us + {hw.collective_bandwidth / 1e9:.2f} GB/s, "
                if hw.collective_bandwidth else "")
-            + f"CPU optimizer {hw.cpu_optimizer_call_s * 1e6:.0f} us per call, {hw.issue_overhead_s * 1e6:.0f} us "
+            + f"CPU optimizer {hw.cpu_optimizer_call_s * 1e6:.0f} us per call, device optimizer "
+            f"{hw.gpu_optimizer_call_s * 1e6:.0f} us per call + {hw.gpu_optimizer_tensor_s * 1e6:.0f} us per tensor, "
+            f"{hw.issue_overhead_s * 1e6:.0f} us "
             f"per compute instruction, copies {'beside' if hw.copy_overlap else 'in line with'} compute")
 
 
@@ -167,12 +175,13 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
     moves = measure_transfers(dev, sizes, repeats)
     (h2d_lat, h2d), (d2h_lat, d2h) = (transfer_terms(moves[w]) for w in ("h2d", "d2h"))
     steps = {name: measure_cpu_optimizer(name, repeats) for name in ("adam", "sgd")}
+    gpu_step = measure_gpu_optimizer(dev, repeats)
     call = max(call_cost(steps["adam"]), 0.0)
     # the median of three rounds: one round takes a few milliseconds, and one probe on this
     # project's shared 2-core machine measured 113 us where 12 others measured 37-52 us
     issue = max(statistics.median(measure_issue_overhead(dev, repeats) for _ in range(3)), 0.0)
     when = f"{datetime.date.today().isoformat()} with {threads} intra-op thread(s)"
-    terms = (f"{_describe_transfers(moves)}; {_describe_steps(steps)}; "
+    terms = (f"{_describe_transfers(moves)}; {_describe_steps(steps)}; {_describe_gpu_step(gpu_step)}; "
              f"per compute instruction {issue * 1e6:.0f} us beyond the profiled kernels")
     if dev.type == "cpu":
         reduce_fit = measure_collective(sizes, repeats)
@@ -193,7 +202,7 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
             host_memory_bytes=host_total, pinned_memory_bytes=int(host_total * PINNABLE),
             h2d_bandwidth=h2d, d2h_bandwidth=d2h, shared_host_link=True, link_bandwidth=max(h2d, d2h),
             p2p_bandwidth=p2p, host_copy_bandwidth=host_copy,
-            gpu_optimizer_bandwidth=_optimizer_bandwidth(dev, _OPTIMIZER_PARAMS),
+            **gpu_step_terms(gpu_step),
             copy_overlap=False, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, p2p_latency_s=p2p_lat,
             cpu_optimizer_call_s=call,
             issue_overhead_s=issue, collective_bandwidth=collective, collective_latency_s=reduce_lat,
@@ -208,18 +217,17 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
     overlap, together = measure_copy_overlap(dev, repeats)
     free = min(torch.cuda.mem_get_info(i)[0] for i in ids)
     name = device_name(dev)
-    gpu_adam = _optimizer_bandwidth(dev, _OPTIMIZER_PARAMS)
     return Hardware(
         name=f"probed-{_slug(name)}-x{gpus}", gpus=gpus, gpu_memory_bytes=int(free * GPU_MEMORY_USABLE),
         host_memory_bytes=host_total, pinned_memory_bytes=int(host_total * PINNABLE),
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, shared_host_link=True, link_bandwidth=max(link, h2d),
-        p2p_bandwidth=p2p, host_copy_bandwidth=host_copy, gpu_optimizer_bandwidth=gpu_adam,
+        p2p_bandwidth=p2p, host_copy_bandwidth=host_copy, **gpu_step_terms(gpu_step),
         copy_overlap=overlap, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, cpu_optimizer_call_s=call,
         issue_overhead_s=issue, collective_bandwidth=None,
         description=(f"probed {when}: {gpus}x {name}; {terms}; all GPUs at once {link / GB:.1f} GB/s, GPU<->GPU "
                      f"{p2p / GB:.1f} GB/s (all-reduce not measured: NCCL needs a process per GPU); a copy "
                      f"beside a matmul on two streams takes {together:.2f} x the two alone "
-                     f"(copy_overlap {'true' if overlap else 'false'}); GPU Adam {gpu_adam / GB:.1f} GB/s"))
+                     f"(copy_overlap {'true' if overlap else 'false'})"))
 
 
 # -- fits ------------------------------------------------------------------------------------------
@@ -747,21 +755,67 @@ def _host_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _optimizer_bandwidth(dev: torch.device, numel: int, steps: int = 3) -> float:
-    """Bytes of W + dW + Adam state (4 x the weights) an Adam step processes per second on ``dev``,
-    built as the runtime's optimizer (with the caller's intra-op threads)."""
-    from harmony_opt.runtime.optim import make_factory
+def measure_gpu_optimizer(dev: str | torch.device, repeats: int = 5, packs: tuple[int, ...] = _UPDATE_PACKS,
+                          layer_bytes: tuple[int, ...] = _UPDATE_LAYER_BYTES,
+                          large: int = _OPTIMIZER_PARAMS) -> Fit:
+    """The executor's optimizer step of a pack on ``dev`` (``PackOptimizers.step_device`` over device
+    weights, gradients and state, Adam as the profiler builds it) for packs of ``packs`` layers of
+    ``_UPDATE_TENSORS`` parameters and ``layer_bytes`` bytes each, and one layer of one ``large``-float
+    parameter (``large`` 0: none), as seconds = per call + per byte x (3 W + 2 K) + per tensor x tensors
+    (x = (bytes, tensors)); the fastest of ``repeats`` runs after a warm-up step. The packs give the
+    per call and per tensor costs (least squares, :func:`fit_linear`), the large step the per byte
+    cost beyond them: the packs' bytes stay in the caches of a CPU device, whose step over 470 MB
+    then runs at half their rate (on 2 CPU cores 16.8 ms against 8.8 ms from the packs' slope)."""
+    from harmony_opt.runtime.optim import PackOptimizers, make_factory
 
-    w = torch.zeros(numel, device=dev, requires_grad=True)
-    w.grad = torch.full_like(w, 1e-3)
-    opt = make_factory("adam", 1e-4)([w])
-    opt.step()   # allocates the state
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    _sync(dev)
-    return 4 * w.numel() * w.element_size() * steps / (time.perf_counter() - t0)
+    dev = torch.device(dev)
+    factory = make_factory("adam", 1e-4)
+    shapes = [(n, _UPDATE_TENSORS, max(1, b // (4 * _UPDATE_TENSORS))) for b in layer_bytes for n in packs]
+    shapes += [(1, 1, int(large))] if large else []
+    xs, ts = [], []
+    for n, count, numel in shapes:
+        layers = [_Weights(count, numel) for _ in range(n)]
+        pack = (0, n - 1)
+        opt = PackOptimizers(layers, [pack], factory)
+        weights = {l: {k: p.detach().to(dev) for k, p in layers[l].named_parameters()} for l in range(n)}
+        grads = {l: {k: torch.full_like(v, 1e-3) for k, v in weights[l].items()} for l in range(n)}
+        state = opt.state_to_device(pack, dev)
+        opt.step_device(pack, weights, grads, state)      # allocates the state
+        state_bytes = sum(v.numel() * v.element_size() for st in state.values() for d in st.values()
+                          for v in d.values())
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(dev)
+            t0 = time.perf_counter()
+            opt.step_device(pack, weights, grads, state)
+            _sync(dev)
+            best = min(best, time.perf_counter() - t0)
+        w = 4 * numel * count * n
+        xs.append((3.0 * w + 2.0 * state_bytes, float(count * n)))
+        ts.append(best)
+    if not large:
+        return fit_linear(xs, ts)
+    c0, c1, c2 = fit_linear(xs[:-1], ts[:-1]).coef
+    (nbytes, tensors), t = xs[-1], ts[-1]
+    beyond = t - c0 - c2 * tensors
+    return Fit((c0, beyond / nbytes if beyond > 0 else c1, c2), tuple(zip(xs, ts)))
+
+
+def gpu_step_terms(fit: Fit) -> dict:
+    """The Hardware fields of a :func:`measure_gpu_optimizer` fit: the bandwidth (of the fit's points,
+    the best bytes per second where noise made the slope flat), and the per call and per tensor costs,
+    each at least 0."""
+    per_byte = fit.coef[1]
+    bw = 1.0 / per_byte if per_byte > 0 else max(x[0] / t for x, t in fit.points)
+    return {"gpu_optimizer_bandwidth": float(bw), "gpu_optimizer_call_s": max(fit.coef[0], 0.0),
+            "gpu_optimizer_tensor_s": max(fit.coef[2], 0.0)}
+
+
+def _describe_gpu_step(fit: Fit) -> str:
+    t = gpu_step_terms(fit)
+    return (f"optimizer step on the device {t['gpu_optimizer_call_s'] * 1e6:.0f} us per call + "
+            f"{t['gpu_optimizer_tensor_s'] * 1e6:.1f} us per tensor + bytes of 3 W + 2 K / "
+            f"{t['gpu_optimizer_bandwidth'] / GB:.1f} GB/s (worst point {fit.worst:.0%} off)")
 
 
 def _sync(dev: torch.device) -> None:

@@ -444,7 +444,8 @@ class Expansion:
         if upd is not None:
             kb = sum(f.nbytes[0] for f in upd.inputs if f.tensor == Tensor.K)
             step = self.add(r, "compute", "GPU_UPD", node, 0,
-                            (3 * w + 2 * kb) / self.hw.gpu_optimizer_bandwidth + self.hw.issue_overhead_s, 0,
+                            self.hw.gpu_step_time(w, kb, self.prof.param_tensor_count(*node.pack))
+                            + self.hw.issue_overhead_s, 0,
                             deps + [k_in], key=upd.task)
             return self.d2h(r, "WK", node, 0, sum(f.nbytes[0] for f in upd.outputs), [step], key=upd.task)
         out = next(f for f in node.outputs if f.tensor == Tensor.DW and f.medium in (Medium.LOC, Medium.MSG))
