@@ -167,5 +167,8 @@ def test_a_pack_step_is_one_call_plus_its_layers_net_steps():
     assert 0 < fastest_call < min(fastest_whole), tries
     call, whole, pack = max(tries, key=lambda t: (sum(t[1]) - t[2]) / t[0])
     assert sum(whole) - pack > 0.25 * (len(layers) - 1) * call, tries
-    assert call + sum(w - call for w in whole) == pytest.approx(pack, rel=0.5), (call, whole, pack)
+    # and the pack's step is one call plus the layers' net steps: the fastest of each seen (a busy spell
+    # during one measure's whole steps put their net sum at 1.9x the pack's step in a CI run)
+    fastest_pack = min(t[2] for t in tries)
+    assert fastest_call + sum(w - fastest_call for w in fastest_whole) == pytest.approx(fastest_pack, rel=0.5), tries
     assert torch.isfinite(layers[0].w[0]).all()
