@@ -527,7 +527,7 @@ def test_step_five_also_sweeps_the_candidate_even_would_sweep(monkeypatch):
     def cand(uf, ub, value):
         return state.Candidate(Config("vPP", 4, uf, ub), None, [uf, ub], value, 38.0, 0.0, "search")
     win, u52, u44, u88 = cand(3, 2, 40.08), cand(5, 2, 40.25), cand(4, 4, 40.42), cand(8, 8, 40.5)
-    judged = [(win, 40.16), (u52, 40.27), (u88, 41.5), (u44, 40.45)]
+    judged = [(win, 40.16, False), (u52, 40.27, False), (u88, 41.5, False), (u44, 40.45, False)]
     assert select.even_runner_up(win, judged, 40.16, even) is u44
     assert select.even_runner_up(u44, judged, 40.45, even) is None     # an even winner: --even sweeps the same
     assert select.even_runner_up(win, judged[:3], 40.16, even) is None  # u=8/8 is 3 % behind

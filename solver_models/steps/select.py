@@ -25,7 +25,7 @@ def judge_candidates(S: Search, found: list[Candidate], incumbent: Plan | None):
     (vgg416 D=64 on 4 GPUs: rated 8.99 s, 11 % above the best pipeline's 8.12 s, it plays 8.19 s
     with the gradients kept, 8.09 s once refined, refine_chain; the pipeline 8.15 s). Returns (plan,
     simulated time, its candidate or None when Harmony's plan stayed the best, and every candidate
-    judged with its best simulated time)."""
+    judged as (candidate, its best simulated time, whether that was with the gradients kept))."""
     best_plan, best_c, judged = incumbent, None, []
     best_t = incumbent.simulated_iteration_time_s if incumbent is not None else float("inf")
     found.sort(key=lambda c: (c.value, str(c.cfg)))
@@ -37,7 +37,7 @@ def judge_candidates(S: Search, found: list[Candidate], incumbent: Plan | None):
             continue
         cand = S.plan_of(c, c.seq)
         t = S.judge(cand)
-        judged.append((c, t))
+        judged.append((c, t, False))
         S.say(f"simulated {c.cfg} ({c.how}): {S.shown(t)} (model {c.value:.4f} s)"
               + ("  <- best" if t < best_t else ""))
         if t < best_t:
@@ -48,7 +48,7 @@ def judge_candidates(S: Search, found: list[Candidate], incumbent: Plan | None):
             S.say(f"simulated {c.cfg} ({c.how}), gradients kept on the GPU: {S.shown(t_kept)}"
                   + ("  <- best" if t_kept < best_t else ""))
             if t_kept < t:
-                judged[-1] = (c, t_kept)
+                judged[-1] = (c, t_kept, True)
             if t_kept < best_t:
                 best_plan, best_t, best_c = kept, t_kept, c
     if best_plan is None:
@@ -145,23 +145,22 @@ class _Capped:
         return getattr(self._budget, name)
 
 
-def refine_chain(S: Search, winner: Candidate, judged: list[tuple[Candidate, float]], t_best: float,
+def refine_chain(S: Search, winner: Candidate, judged: list[tuple[Candidate, float, bool]], t_best: float,
                  found: list[Candidate]) -> tuple[Candidate, Plan, float] | None:
     """Where a pipeline won step 4 and a chain simulated within RIVAL_WITHIN of it: the chain's own
     step 4b and polish, on half the budget left (the winner's sweep and polish get the rest), since
     the chain's plans with gradients kept on the GPU and its polish often gain more than a
     pipeline's (resnet1026 D=32 on 2 GPUs: the chain judged 3.644 s, 1.4 % behind a pipeline's
     3.594 s, which its polish takes to 3.551 s). Returns (the chain's candidate, its plan, its
-    simulated time), or None."""
+    simulated time), or None. The chain starts from the variant step 4 judged faster, with or without
+    the gradients kept, without simulating it again."""
     if winner is None or winner.cfg.ranks == 1:
         return None
-    chains = [(t, str(c.cfg), c) for c, t in judged if c.cfg.ranks == 1 and t <= RIVAL_WITHIN * t_best]
+    chains = [(t, str(c.cfg), c, kept) for c, t, kept in judged if c.cfg.ranks == 1 and t <= RIVAL_WITHIN * t_best]
     if not chains:
         return None
-    t, _, c = min(chains, key=lambda r: r[:2])
-    plan_ = S.plan_of(c, c.seq)
-    if S.handoff(c.cfg) and S.judge(plan_.replace(gpu_handoff=True)) <= t:
-        plan_ = plan_.replace(gpu_handoff=True)
+    t, _, c, kept = min(chains, key=lambda r: r[:2])
+    plan_ = S.plan_of(c, c.seq).replace(gpu_handoff=kept)
     c.handoff = plan_.gpu_handoff
     R = dataclasses.replace(S, budget=_Capped(S.budget, S.budget.left() / 2),
                             say=lambda line: S.say(line.replace("<- best", "<- best of the chain")))
@@ -227,7 +226,7 @@ def sweep_starts(S: Search, c: Candidate, plan_: Plan, t_best: float, found: lis
     return plan_, t_best, best_c
 
 
-def even_runner_up(winner: Candidate, judged: list[tuple[Candidate, float]], t_best: float,
+def even_runner_up(winner: Candidate, judged: list[tuple[Candidate, float, bool]], t_best: float,
                    even: set) -> Candidate | None:
     """The candidate step 5 sweeps beside an uneven winner: the fastest judged vPP candidate whose
     sizes divide the minibatch, where it simulated within ``EVEN_WITHIN`` of the winner. The
@@ -236,7 +235,7 @@ def even_runner_up(winner: Candidate, judged: list[tuple[Candidate, float]], t_b
     at 40.45 s, sweeps to 40.01 s."""
     if winner.cfg in even:
         return None
-    rest = [(t, str(o.cfg), o) for o, t in judged
+    rest = [(t, str(o.cfg), o) for o, t, _ in judged
             if o.cfg in even and o.cfg.ranks > 1 and o.cfg != winner.cfg and t <= EVEN_WITHIN * t_best]
     return min(rest, key=lambda r: r[:2])[2] if rest else None
 
