@@ -152,6 +152,12 @@ class Plan:
         if self.transfer_order is not None:
             object.__setattr__(self, "transfer_order", _stream_orders(self.transfer_order))
         self.validate()
+        # the loss pack runs its forward as its recompute whatever its option says (compile.stash_modes):
+        # the option says so, so that every reader charges what runs (the simulator charged a loss pack
+        # without recompute only its backward from a kept graph, its forward nowhere)
+        if not self.options[-1].recompute:
+            object.__setattr__(self, "options", (*self.options[:-1],
+                                                 dataclasses.replace(self.options[-1], recompute=True)))
 
     # -- derived ---------------------------------------------------------------------------
     @property
