@@ -176,12 +176,13 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
     (h2d_lat, h2d), (d2h_lat, d2h) = (transfer_terms(moves[w]) for w in ("h2d", "d2h"))
     steps = {name: measure_cpu_optimizer(name, repeats) for name in ("adam", "sgd")}
     gpu_step = measure_gpu_optimizer(dev, repeats)
+    gpu_terms = gpu_step_terms(gpu_step)
     call = max(call_cost(steps["adam"]), 0.0)
     # the median of three rounds: one round takes a few milliseconds, and one probe on this
     # project's shared 2-core machine measured 113 us where 12 others measured 37-52 us
     issue = max(statistics.median(measure_issue_overhead(dev, repeats) for _ in range(3)), 0.0)
     when = f"{datetime.date.today().isoformat()} with {threads} intra-op thread(s)"
-    terms = (f"{_describe_transfers(moves)}; {_describe_steps(steps)}; {_describe_gpu_step(gpu_step)}; "
+    terms = (f"{_describe_transfers(moves)}; {_describe_steps(steps)}; {_describe_gpu_step(gpu_step, gpu_terms)}; "
              f"per compute instruction {issue * 1e6:.0f} us beyond the profiled kernels")
     if dev.type == "cpu":
         reduce_fit = measure_collective(sizes, repeats)
@@ -202,7 +203,7 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
             host_memory_bytes=host_total, pinned_memory_bytes=int(host_total * PINNABLE),
             h2d_bandwidth=h2d, d2h_bandwidth=d2h, shared_host_link=True, link_bandwidth=max(h2d, d2h),
             p2p_bandwidth=p2p, host_copy_bandwidth=host_copy,
-            **gpu_step_terms(gpu_step),
+            **gpu_terms,
             copy_overlap=False, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, p2p_latency_s=p2p_lat,
             cpu_optimizer_call_s=call,
             issue_overhead_s=issue, collective_bandwidth=collective, collective_latency_s=reduce_lat,
@@ -221,7 +222,7 @@ def _probe(dev: torch.device, sizes: tuple[int, ...], repeats: int, threads: int
         name=f"probed-{_slug(name)}-x{gpus}", gpus=gpus, gpu_memory_bytes=int(free * GPU_MEMORY_USABLE),
         host_memory_bytes=host_total, pinned_memory_bytes=int(host_total * PINNABLE),
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, shared_host_link=True, link_bandwidth=max(link, h2d),
-        p2p_bandwidth=p2p, host_copy_bandwidth=host_copy, **gpu_step_terms(gpu_step),
+        p2p_bandwidth=p2p, host_copy_bandwidth=host_copy, **gpu_terms,
         copy_overlap=overlap, h2d_latency_s=h2d_lat, d2h_latency_s=d2h_lat, cpu_optimizer_call_s=call,
         issue_overhead_s=issue, collective_bandwidth=None,
         description=(f"probed {when}: {gpus}x {name}; {terms}; all GPUs at once {link / GB:.1f} GB/s, GPU<->GPU "
@@ -783,16 +784,9 @@ def measure_gpu_optimizer(dev: str | torch.device, repeats: int = 5, packs: tupl
         opt.step_device(pack, weights, grads, state)      # allocates the state
         state_bytes = sum(v.numel() * v.element_size() for st in state.values() for d in st.values()
                           for v in d.values())
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(dev)
-            t0 = time.perf_counter()
-            opt.step_device(pack, weights, grads, state)
-            _sync(dev)
-            best = min(best, time.perf_counter() - t0)
         w = 4 * numel * count * n
         xs.append((3.0 * w + 2.0 * state_bytes, float(count * n)))
-        ts.append(best)
+        ts.append(_fastest(lambda: opt.step_device(pack, weights, grads, state), dev, repeats))
     if not large:
         return fit_linear(xs, ts)
     c0, c1, c2 = fit_linear(xs[:-1], ts[:-1]).coef
@@ -811,8 +805,8 @@ def gpu_step_terms(fit: Fit) -> dict:
             "gpu_optimizer_tensor_s": max(fit.coef[2], 0.0)}
 
 
-def _describe_gpu_step(fit: Fit) -> str:
-    t = gpu_step_terms(fit)
+def _describe_gpu_step(fit: Fit, t: dict) -> str:
+    """The fit and the Hardware fields taken from it (``gpu_step_terms``), in words."""
     return (f"optimizer step on the device {t['gpu_optimizer_call_s'] * 1e6:.0f} us per call + "
             f"{t['gpu_optimizer_tensor_s'] * 1e6:.1f} us per tensor + bytes of 3 W + 2 K / "
             f"{t['gpu_optimizer_bandwidth'] / GB:.1f} GB/s (worst point {fit.worst:.0%} off)")
