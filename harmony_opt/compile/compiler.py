@@ -101,14 +101,13 @@ def stash_modes(plan: Plan, tasks: list[Task]) -> tuple[tuple[bool, ...], tuple[
     pack on the rank of its backward pack: the graph (with its saved tensors in host
     memory) then lives in that rank's process. Otherwise it recomputes, which gives the
     same numbers, and a note says so. The loss pack always runs its forward as its
-    recompute.
+    recompute (``Plan`` sets its option so).
     """
     fwd = [t for t in tasks if t.kind is TaskKind.FWD]
     bwd_rank = {t.bwd: t.rank for t in tasks if t.kind is TaskKind.BWD}
     modes, notes = [], []
-    last = len(plan.packs_bwd) - 1
     for j, (a, b) in enumerate(plan.packs_bwd):
-        if plan.options[j].recompute or j == last:
+        if plan.options[j].recompute:
             modes.append(False)
             continue
         host = next(t for t in fwd if t.pack[0] <= a <= t.pack[1])
