@@ -282,6 +282,38 @@ def _stochastic(layer: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in layer.modules())
 
 
+@contextlib.contextmanager
+def seeded(key: str, device: torch.device):
+    """The generators a layer on ``device`` draws from (the CPU's, and on CUDA the GPU's), seeded
+    from ``key`` for the block and restored after it (a stochastic layer's forward: its dropout
+    masks replay exactly in the recompute of the same samples). Each generator is seeded by itself:
+    ``torch.manual_seed`` seeds every backend's, at 96 us a call on a 2-core CPU against 1 us, once
+    per dropout layer per forward and recompute."""
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & (2**63 - 1)
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        torch.cuda.init()
+        gens.append(torch.cuda.default_generators[device.index if device.index is not None
+                                                  else torch.cuda.current_device()])
+    states = [g.get_state() for g in gens]
+    for g in gens:
+        g.manual_seed(seed)
+    try:
+        yield
+    finally:
+        for g, state in zip(gens, states):
+            g.set_state(state)
+
+
+def run_layer(layer: nn.Module, state: dict, args: tuple, key: str | None, device: torch.device):
+    """One layer on one microbatch as the executor runs it: ``functional_call`` over ``state`` (its
+    weights and buffers), under ``seeded(key)`` where ``key`` is given (a stochastic layer)."""
+    if key is None:
+        return functional_call(layer, state, args)
+    with seeded(key, device):
+        return functional_call(layer, state, args)
+
+
 class Executor:
     """Runs one rank's instruction list, one iteration per :meth:`run_iteration`."""
 
@@ -485,25 +517,18 @@ class Executor:
     def _state(self, layer: int, ins: Instr) -> dict:
         return {**self.table.get(("W", layer), ins), **self.table.get(("B", layer), ins)}
 
-    @contextlib.contextmanager
-    def _rng(self, layer: int, ins: Instr):
+    def _rng_key(self, layer: int, ins: Instr) -> str | None:
         """Dropout draws from a generator seeded by (seed, step, layer, samples), so a recompute
-        of the same samples replays the forward's masks exactly."""
+        of the same samples replays the forward's masks exactly; None for a layer without dropout."""
         if not self.stochastic[layer]:
-            yield
-            return
+            return None
         first = self.program.sample_offsets[self.rank] + ins.offset
-        digest = hashlib.sha256(f"{self.seed}/{self.step}/{layer}/{first}/{ins.size}".encode()).digest()
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
-            torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-            yield
+        return f"{self.seed}/{self.step}/{layer}/{first}/{ins.size}"
 
     def _chain(self, a: int, b: int, x: torch.Tensor, ins: Instr) -> torch.Tensor:
         """Layers a..b (the loss layer excluded) on one microbatch."""
         for layer in range(a, min(b, self.R - 2) + 1):
-            with self._rng(layer, ins):
-                x = functional_call(self.layers[layer], self._state(layer, ins), (x,))
+            x = run_layer(self.layers[layer], self._state(layer, ins), (x,), self._rng_key(layer, ins), self.device)
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != ins.size:
                 raise ProgramError(f"layer {layer} ({type(self.layers[layer]).__name__}) returned "
                                    f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))} for a microbatch of "
@@ -651,7 +676,7 @@ class Executor:
             y = self._chain(a, b, inner_view(leaf), ins)
             if b == self.R - 1:
                 targets = self.table.get(("T", ins.offset, ins.size), ins)
-                loss = functional_call(self.layers[b], self._state(b, ins), (y, targets))
+                loss = run_layer(self.layers[b], self._state(b, ins), (y, targets), None, self.device)
                 if loss.dim() != 0:
                     raise ProgramError(f"the loss layer {b} ({type(self.layers[b]).__name__}) returned shape "
                                        f"{tuple(loss.shape)}; it must return the mean loss as a scalar")

@@ -250,6 +250,23 @@ def test_dropout_masks_replay_on_recompute():
     assert max(layer_errors(runs[0], plain)) > 1e-3        # other masks than plain PyTorch: dropout is on
 
 
+def test_a_seeded_layer_replays_its_draws_and_leaves_the_callers_stream_alone():
+    """A dropout layer runs under generators seeded from its key (the recompute draws the forward's
+    masks) and restored after it, so a user's own random stream goes on as if nothing ran."""
+    from harmony_opt.runtime.executor import run_layer
+
+    layer = nn.Dropout(0.5)
+    x = torch.ones(4, 64)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    first = run_layer(layer, {}, (x,), "0/0/1/0/4", torch.device("cpu"))
+    again = run_layer(layer, {}, (x,), "0/0/1/0/4", torch.device("cpu"))
+    other = run_layer(layer, {}, (x,), "0/0/1/4/4", torch.device("cpu"))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_offload_moves_only_what_lives_on_the_compute_device():
     """Saved tensors off the compute device stay where they are (attention's dropout seed and
     offset on the CPU, read there by the backward); the others get host copies."""
