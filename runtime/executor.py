@@ -277,7 +277,7 @@ def _profiling() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
-def _stochastic(layer: nn.Module) -> bool:
+def is_stochastic(layer: nn.Module) -> bool:
     """Whether a layer draws random numbers (dropout with p > 0): only then is its RNG forked."""
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in layer.modules())
 
@@ -307,7 +307,9 @@ def seeded(key: str, device: torch.device):
 
 def run_layer(layer: nn.Module, state: dict, args: tuple, key: str | None, device: torch.device):
     """One layer on one microbatch as the executor runs it: ``functional_call`` over ``state`` (its
-    weights and buffers), under ``seeded(key)`` where ``key`` is given (a stochastic layer)."""
+    weights and buffers), under ``seeded(key)`` where ``key`` is given (a stochastic layer). The
+    profiler times layers through it too: on a 2-core CPU ``functional_call`` costs a BERT-tiny block
+    0.13 ms beside its 0.62 ms of kernels (microbatch 8), which a direct call does not show."""
     if key is None:
         return functional_call(layer, state, args)
     with seeded(key, device):
@@ -341,7 +343,7 @@ class Executor:
         self.weights = [{n: p.detach() for n, p in layer.named_parameters()} for layer in layers]
         self.trainable = [{n: p.requires_grad for n, p in layer.named_parameters()} for layer in layers]
         self.buffers = [{n: b for n, b in layer.named_buffers()} for layer in layers]
-        self.stochastic = [_stochastic(layer) for layer in layers]
+        self.stochastic = [is_stochastic(layer) for layer in layers]
         self.effects = [effects(x, self.R) for x in self.instrs]
         self._recvs = {x.id: x for x in self.instrs if x.kind is Kind.RECV}   # what a wait on the CPU waits for
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cpu-optimizer-{rank}")

@@ -42,10 +42,10 @@ predicts a run before any calibration:
   GPT-2 blocks on a 2-core CPU 0.13-0.2 ms per layer against 0.2-0.3 ms of real work.
 * dispatch (``issue_overhead_s``): a forward, a recompute and a backward instruction of a tiny pack
   (an 8x8 Linear and an MSE loss, a few hundred bytes) through the executor's dispatch
-  (``functional_call``, the device table, the saved-tensor hooks, ``autograd.grad``) less the same
-  layers run as the profiler runs them (forward; forward with autograd and backward), per
-  instruction, the median of three rounds; the wall clock, synchronized on a GPU, where it is the
-  host's launch cost.
+  (the device table, the saved-tensor hooks, ``autograd.grad``) less the same layers run as the
+  profiler runs them (forward; forward with autograd and backward; each through ``functional_call``,
+  as the executor runs a layer: that cost is in the profile's times), per instruction, the median
+  of three rounds; the wall clock, synchronized on a GPU, where it is the host's launch cost.
 * ``copy_overlap``: False on the CPU device, by construction: the executor runs every
   instruction of a rank in program order on one thread (only the optimizer steps go to a worker
   thread), so a swap never hides behind compute. On CUDA a host->GPU copy and a matmul are
@@ -105,7 +105,7 @@ from ..core.errors import UsageError
 from ..core.hardware import Hardware
 from ..core.kinds import Tensor
 from ..core.units import GB, KiB, MiB, fmt_bytes
-from .profiler import _call, device_name, resolve_device
+from .profiler import as_executed, device_name, resolve_device
 
 #: Transfer sizes on a GPU; on the CPU device the largest is left out (a swap of 256 MiB on the CPU
 #: spends a third of a second in page faults, and the probe would take a minute) and two small ones
@@ -504,19 +504,20 @@ def _bare_kernels(layers: list[nn.Module], x: torch.Tensor, target: torch.Tensor
     x, target = x.to(dev), target.to(dev)
     with torch.no_grad():
         y = layers[0](x)
+    calls = [as_executed(layer) for layer in layers]
 
     def fwd():
         with torch.no_grad():
-            return _call(layers[0], x, None)
+            return calls[0](x, None)
 
-    def bwd(layer, inp, tgt):
+    def bwd(call, inp, tgt):
         def run():
             xi = inp.detach().requires_grad_(inp.is_floating_point())
-            out = _call(layer, xi, tgt)
+            out = call(xi, tgt)
             out.backward(None if tgt is not None else torch.ones_like(out))
         return run
 
-    return sum(_fastest(fn, dev, repeats) for fn in (fwd, bwd(layers[0], x, None), bwd(layers[1], y, target)))
+    return sum(_fastest(fn, dev, repeats) for fn in (fwd, bwd(calls[0], x, None), bwd(calls[1], y, target)))
 
 
 def _fastest(fn, dev: torch.device, repeats: int) -> float:
