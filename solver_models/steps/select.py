@@ -194,15 +194,20 @@ def sweep_starts(S: Search, c: Candidate, plan_: Plan, t_best: float, found: lis
     nearby (search.starts_around), each the descent with that start held; the simulator judges those
     the model rates within ``SWEEP_WITHIN`` of their candidate and the fastest wins. ``also``: a
     second vPP candidate swept likewise, start by start in turn with ``c`` (see even_runner_up). A
-    start is taken only where the budget left after the polish's reserve pays for its two descents
-    (at most two: where a start's packs cut below it are not candidates, one; each is charged as
-    run). Not under Harmony's cost model, whose simulator the model does not describe. Updates the
-    candidate whose plan wins; returns (plan, simulated time, the winner's candidate)."""
+    start is taken only where the budget left after the polish's reserve pays for its two descents,
+    priced from the packs each starts from (at most two: where a start's packs cut below it are not
+    candidates, one; each is charged as run). Not under Harmony's cost model, whose simulator the
+    model does not describe. Updates the candidate whose plan wins; returns (plan, simulated time,
+    the winner's candidate)."""
     if S.opts.cost_model != "default":
         return plan_, t_best, c
     steps = 2000 if S.opts.time_limit >= 5 else 600
     reserve = _polish_reserve(S, c, plan_, found)
-    sweeps = [(o, 2 * (Budget.PER_STEP + Budget.PER_TASK * len(o.seq)) * steps,   # a start's two descents, about
+    # a start's two descents, about: from the candidate's packs, and from one forward and one
+    # backward pack per candidate boundary, whose steps evaluate about as many packs as there are
+    # boundaries on average as the descent merges them (resnet1026 D=64 vPP x4: 516 boundaries, a
+    # start charged 4.9 work s, where the candidate's 49 packs alone had priced it 0.7)
+    sweeps = [(o, (2 * Budget.PER_STEP + Budget.PER_TASK * (len(o.seq) + len(o.tasks.cuts))) * steps,
                search.starts_around(o.tasks, o.seq, steps, seed=S.opts.seed, around=SWEEP_AROUND))
               for o in ([c] if also is None else [c, also])]
     best_c, k = c, 0
@@ -259,6 +264,10 @@ def _polish_reserve(S: Search, c: Candidate, plan_: Plan, found: list[Candidate]
     return S.timeline_reserve(plan_, besides=paths) + paths
 
 
+#: The least share of the budget the simulator's descent keeps from the timeline model's reserve.
+POLISH_SHARE = 0.1
+
+
 def polish(S: Search, c: Candidate, plan_: Plan, t_best: float, found: list[Candidate]) -> tuple[Plan, float]:
     """Step 5: first-improvement descent judged by the simulator (the model is a few % off in
     places): move one pack boundary by one candidate boundary, or toggle one pack's optimizer
@@ -270,7 +279,11 @@ def polish(S: Search, c: Candidate, plan_: Plan, t_best: float, found: list[Cand
     With ``processes`` > 1 the next neighbours in the scan are simulated at once, one per process,
     and their results taken in scan order as one process would take them: a result after an
     improving neighbour is dropped, not charged, so the plan does not depend on ``processes``."""
-    reserve = _polish_reserve(S, c, plan_, found)
+    # the descent makes the plan faster, the timeline model (step 6) only bounds it: the descent
+    # keeps a tenth of the budget where it is left, whatever step 6 then gets (gpt2_xl D=64 on 1-4
+    # GPUs: Harmony's search for the hint took 1.7 work s, and the timeline's reserve left the
+    # descent nothing: 39.269 s, against 39.220 s with its neighbours judged)
+    reserve = min(_polish_reserve(S, c, plan_, found), max(S.budget.left() - POLISH_SHARE * S.budget.total, 0.0))
     judged = {tuple(c.seq)}
     at = 0              # where the scan goes on: the position of the last improving move
     workers = S.pool
