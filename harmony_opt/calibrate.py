@@ -250,6 +250,15 @@ _F95 = ((1, 161.4), (2, 18.51), (3, 10.13), (4, 7.71), (5, 6.61), (6, 5.99), (7,
 #: passes such a misfit by chance.
 MIN_FIXED_GROUPS = 5
 
+#: Largest standard error of the free fit's slope, relative to the slope, at which its fixed cost is
+#: taken: where the groups' work per instruction spans little against the noise (the profile's
+#: own, across like layers) the slope is not told, and the fit trades it for a fixed cost. Harmony's
+#: plan of a 12-layer BERT at 4x its largest layer has 14 compute groups of one block each (work per
+#: instruction 2.2-2.8 ms; the like blocks' backward profiled 4.3-5.6 ms) whose measured times did not
+#: follow the profile's noise: the free fit, F-test passed, read them as 3.0 ms per instruction and a
+#: compute scale of 0.05 (its standard error 6x the slope), and every other plan was predicted up to 39 % off.
+MAX_SLOPE_ERROR = 0.25
+
 
 def _f95(d: int) -> float:
     return min(v for k, v in _F95 if k <= d)
@@ -270,8 +279,9 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
     ``b`` is fitted only where the groups tell it: otherwise ``b = fixed0`` (the input's, e.g. what
     probe measured) and ``a`` alone, since a few groups let noise and the kinds' different ratios to
     the profile set both (docs/cost_model.md; ``MIN_FIXED_GROUPS``). So with ``p`` groups both are
-    fitted where ``p >= MIN_FIXED_GROUPS`` and the F-test of the freed fixed cost against
-    ``fixed0`` passes at 95 %. A free fixed cost below 0 is clipped to 0 (the slope refitted
+    fitted where ``p >= MIN_FIXED_GROUPS``, the free slope's standard error is within
+    ``MAX_SLOPE_ERROR`` of it, and the F-test of the freed fixed cost against ``fixed0`` passes at
+    95 %. A free fixed cost below 0 is clipped to 0 (the slope refitted
     through the origin) where the groups tell that from ``fixed0`` the same way, and ``fixed0``
     is kept where they do not: Harmony's plan of vgg-tiny at 1.6x its largest layer (microbatch
     8) has one forward and two backward groups, whose clipped fixed cost (10 us per compute
@@ -325,18 +335,29 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
         p = len(y)
         free = float(((y - a * x - b * n) ** 2).sum())
         held = float(((y - kept * x - fixed0 * n) ** 2).sum())
-        told = p >= MIN_FIXED_GROUPS and _gains(held, free, y, p - 2)
+        # (a clipped fit has no free slope to doubt: it tells 0 from fixed0 by the F-test alone)
+        error = 0.0 if negative else _slope_error(a_mat, free, p, scale[0]) / a if p > 2 else math.inf
+        told = p >= MIN_FIXED_GROUPS and error <= MAX_SLOPE_ERROR and _gains(held, free, y, p - 2)
         labels = sorted(set(kinds)) if kinds is not None else []
         if told and not negative and len(labels) > 1:    # and within the kinds, each with a slope of its own?
             told = _told_within(np.column_stack([np.where(np.asarray(kinds) == k, x, 0.0) for k in labels]),
                                 n, y, fixed0)
         if not told:
-            why = f"fewer than {MIN_FIXED_GROUPS}" if p < MIN_FIXED_GROUPS else "no significant gain, F-test at 95 %"
+            why = (f"fewer than {MIN_FIXED_GROUPS}" if p < MIN_FIXED_GROUPS else
+                   f"freed, the slope's standard error is {100 * error:.0f} % of it"
+                   if error > MAX_SLOPE_ERROR else "no significant gain, F-test at 95 %")
             return kept, fixed0, (f"{p} matched group(s) do not tell the fixed cost from the slope ({why}): "
                                   f"the input's {fixed0 * 1e6:.1f} us kept, the slope fitted")
     if negative:
         return a, b, "the fixed cost came out negative: clipped to 0, slope refitted"
     return a, b, ""
+
+
+def _slope_error(a_mat: np.ndarray, free: float, p: int, scale: float) -> float:
+    """The standard error of the slope of the least squares over ``a_mat`` (columns: work and
+    instructions, each divided by its ``scale``) with squared residual ``free`` over ``p`` points."""
+    cov = np.linalg.pinv(a_mat.T @ a_mat) * free / (p - 2)
+    return math.sqrt(max(float(cov[0, 0]), 0.0)) / scale
 
 
 def _told_within(per: np.ndarray, n: np.ndarray, y: np.ndarray, fixed0: float) -> bool:

@@ -250,6 +250,25 @@ def test_kinds_at_different_ratios_to_the_profile_are_not_a_fixed_cost():
     assert fixed == pytest.approx(0.2, rel=0.05) and slope == pytest.approx(1.2, rel=0.01) and note == ""
 
 
+
+def test_groups_of_like_work_do_not_trade_the_slope_for_a_fixed_cost():
+    """Harmony's plan of a 12-layer BERT at 4x its largest layer, pooled over 15 traced steps on the
+    CPU: 14 compute groups of one block each, whose profiled times differ only by the profile's noise
+    (4.3-5.6 ms for like blocks). The measured times did not follow that noise, and the free fit,
+    F-test passed, read them as 3.0 ms per instruction and a compute scale of 0.05, which predicted
+    other plans up to 39 % off. Its slope's standard error is 6x the slope: the input's fixed cost is
+    kept and the slope fitted with it."""
+    x = np.array([5.263, 7.359, 5.324, 5.324, 4.622, 4.622, 5.579, 5.579, 4.299, 4.299, 4.642, 4.642, 4.522,
+                  4.522]) * 1e-3
+    n = np.array([2.0, 3.0] + [2.0] * 12)
+    y = np.array([6.787, 9.425, 6.629, 7.227, 6.985, 6.341, 5.900, 5.688, 5.854, 5.900, 5.962, 5.681, 6.936,
+                  6.860]) * 1e-3
+    kinds = ["forward"] * 2 + ["backward"] * 12
+    slope, fixed, note = _line(x, n, y, 1.0, True, fixed0=33.6e-6, kinds=kinds)
+    assert fixed == 33.6e-6 and "standard error" in note
+    _close(slope, float(x @ (y - fixed * n) / (x @ x)))
+    assert 1.2 < slope < 1.4
+
 def test_recalibrating_a_calibrated_file_does_not_add_the_gap_twice():
     """One backward pack of two equal microbatches: one shape, so the compute's fixed cost is the
     input's plus the time between instructions, which the file records; calibrating again from that
