@@ -574,3 +574,18 @@ def test_the_warm_start_does_not_cost_the_default_its_descent():
     prof, hw = load_profile("gpt2_xl"), get_hardware("1080ti-x4")
     default, no_hint = (plan(prof, hw, 64, PlannerOptions(hint=hint), memory_cap=int(9e9)) for hint in (True, False))
     assert default.simulated_iteration_time_s <= no_hint.simulated_iteration_time_s * (1 + 1e-9)
+
+
+def test_configurations_the_model_refuses_do_not_run_past_the_budget_when_the_hint_is_a_plan():
+    """A 1-layer random profile whose host memory the planner's model finds too small for every one of
+    its 110 configurations, while Harmony's plan fits it: the first solutions went on through all of
+    them (3.7 work s of a 1.8 s budget), since none had been found; with the hint to return they stop
+    at the budget like any other."""
+    from harmony_opt.fuzzing import FuzzCase, build, run_planner
+
+    case = FuzzCase(layers=1, seed=190702503, batch=32, gpus=4, cap_factor=1.6558995986694725, mode="auto",
+                    use_gpus=1, time_limit=2.0, host_factor=0.17700386568331167)
+    prof, hw = build(case)
+    p = run_planner("cp-sat", prof, hw, case)
+    assert p.solver["source"] == "harmony-hint"
+    assert p.solver["work_s"] <= 1.05 * p.solver["work_budget_s"]

@@ -103,7 +103,11 @@ def _first_tier(S: Search, ordered, count: int, incumbent, hint_cfg, stats, foun
         if cfg_bound >= best[0]:
             stats["pruned"] += count - i
             break
-        if S.budget.left(share) <= 0 and found:     # at least one, where the hint took the share
+        # at least one, where the hint took the share; and where every one so far was infeasible,
+        # not on past the budget while the hint is a plan to return (a 1-layer random profile whose
+        # host memory the model finds too small for all 110 configurations, Harmony's plan fitting it:
+        # 3.7 work s of a 1.8 s budget)
+        if S.budget.left(share) <= 0 and (found or (incumbent is not None and done[0] > 0)):
             stats["out_of_budget"] += count - i
             _drop(ahead)
             return cfg_bound
