@@ -336,7 +336,7 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
         free = float(((y - a * x - b * n) ** 2).sum())
         held = float(((y - kept * x - fixed0 * n) ** 2).sum())
         # (a clipped fit has no free slope to doubt: it tells 0 from fixed0 by the F-test alone)
-        error = 0.0 if negative else _slope_error(a_mat, free, p, scale[0]) / a if p > 2 else math.inf
+        error = 0.0 if negative else _slope_error(a_mat, free, p, scale[0]) / a
         told = p >= MIN_FIXED_GROUPS and error <= MAX_SLOPE_ERROR and _gains(held, free, y, p - 2)
         labels = sorted(set(kinds)) if kinds is not None else []
         if told and not negative and len(labels) > 1:    # and within the kinds, each with a slope of its own?
@@ -355,7 +355,10 @@ def _line(x: np.ndarray, n: np.ndarray, y: np.ndarray, slope0: float, two: bool,
 
 def _slope_error(a_mat: np.ndarray, free: float, p: int, scale: float) -> float:
     """The standard error of the slope of the least squares over ``a_mat`` (columns: work and
-    instructions, each divided by its ``scale``) with squared residual ``free`` over ``p`` points."""
+    instructions, each divided by its ``scale``) with squared residual ``free`` over ``p`` points
+    (infinite with no residual degree of freedom)."""
+    if p <= 2:
+        return math.inf
     cov = np.linalg.pinv(a_mat.T @ a_mat) * free / (p - 2)
     return math.sqrt(max(float(cov[0, 0]), 0.0)) / scale
 
